@@ -1,0 +1,38 @@
+# The README's two commands: `make demo` and `make test`. Each builds .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch, pinned here (not in pyproject) so the install stays small on CPU machines;
+# override on a GPU box, e.g. `make install TORCH_SPEC='torch==2.13.0'` from the CUDA index.
+TORCH_SPEC ?= torch==2.13.0
+# One auth mode for every Ray process, driver and CLI call of the local stack (see docs/local-cluster.md).
+export RAY_AUTH_MODE ?= disabled
+
+.PHONY: install demo test test-unit test-integration down clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet '$(TORCH_SPEC)'
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: install
+	$(BIN)/elastic demo
+
+test: install
+	$(BIN)/python -m pytest tests
+
+test-unit: install
+	$(BIN)/python -m pytest tests/unit
+
+test-integration: install
+	$(BIN)/python -m pytest tests/integration
+
+down: install
+	$(BIN)/elastic local down
+
+clean: down
+	rm -rf $(VENV) .elastic

@@ -1,0 +1,284 @@
+"""The `elastic` command: thin; every verb calls library functions.
+
+User errors print one line and exit 2; a job that fails exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from elastic.errors import ElasticError, JobFailed, UserError
+
+console = Console(stderr=False, highlight=False, soft_wrap=True)
+
+
+def _print_json(data) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="elastic-train")
+def cli() -> None:
+    """Elastic PyTorch training on spot and on-demand Ray clusters.
+
+    \b
+    Example:
+      elastic local up
+      elastic submit jobs/digits_ddp.yaml --follow
+      elastic local down
+    """
+
+
+# ---------------------------------------------------------------------------------------------------------
+# local
+
+
+@cli.group("local")
+def local_group() -> None:
+    """The embedded local cluster: a Ray head, simulated spot/on-demand nodes and an S3 endpoint."""
+
+
+@local_group.command("up")
+@click.option("--spot", default=2, show_default=True, type=click.IntRange(0), help="Spot worker nodes.")
+@click.option("--on-demand", default=1, show_default=True, type=click.IntRange(0), help="On-demand worker nodes.")
+@click.option("--cpus-per-node", default=1, show_default=True, type=click.IntRange(1), help="CPUs per worker node.")
+@click.option("--gpus-per-node", default=0, show_default=True, type=click.IntRange(0),
+              help="Logical GPUs per worker node (GPU-requesting paths run on a CPU-only machine).")
+@click.option("--json", "as_json", is_flag=True, help="Print addresses and nodes as JSON.")
+def local_up(spot: int, on_demand: int, cpus_per_node: int, gpus_per_node: int, as_json: bool) -> None:
+    """Start the local stack (or show it if it is already up).
+
+    \b
+    Example:
+      elastic local up --spot 2 --on-demand 1 --json
+    """
+    from elastic import local
+
+    state = local.up(spot=spot, on_demand=on_demand, gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node)
+    if as_json:
+        _print_json(state.summary())
+    else:
+        _show_stack(state.summary())
+        console.print("Use it from this shell: [bold]eval \"$(elastic local env)\"[/]; stop it: [bold]elastic local down[/]")
+
+
+@local_group.command("down")
+def local_down() -> None:
+    """Stop exactly what `elastic local up` started. Safe to run twice."""
+    from elastic import local
+
+    stopped = local.down()
+    click.echo(f"local stack stopped ({stopped} processes)" if stopped else "no local stack running")
+
+
+@local_group.command("status")
+@click.option("--json", "as_json", is_flag=True)
+def local_status(as_json: bool) -> None:
+    """Show the local stack's addresses, nodes and processes."""
+    from elastic import local
+
+    info = local.status()
+    if as_json:
+        _print_json(info)
+    elif not info["running"]:
+        click.echo("no local stack running (start one with `elastic local up`)")
+    else:
+        _show_stack(info)
+        dead = [role for role, alive in info["processes"].items() if not alive]
+        if dead:
+            console.print(f"[yellow]not running:[/] {', '.join(dead)}")
+
+
+@local_group.command("env")
+@click.option("--json", "as_json", is_flag=True)
+def local_env(as_json: bool) -> None:
+    """Print shell exports so Ray's CLI, boto3 and s3fs use the local stack: eval "$(elastic local env)"."""
+    from elastic import local
+
+    state = local.running_state()
+    if state is None:
+        raise UserError("no local stack running; start one with `elastic local up`")
+    if as_json:
+        _print_json({"env": state.env()})
+    else:
+        for key, value in state.env().items():
+            click.echo(f"export {key}={value}")
+
+
+def _show_stack(info: dict) -> None:
+    console.print(f"Ray:        {info['ray_address']}   job API: {info['dashboard_url']}")
+    console.print(f"S3:         {info['s3_endpoint']}   bucket: {info['bucket']}")
+    table = Table("node", "market", "role", "cpus", "gpus", "node id")
+    for node in info["nodes"]:
+        table.add_row(node["name"], node["market"], node["role"], str(node["cpus"]), str(node["gpus"]),
+                      node["node_id"][:12])
+    console.print(table)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# specs
+
+
+@cli.group("spec")
+def spec_group() -> None:
+    """Job spec tools."""
+
+
+@spec_group.command("schema")
+def spec_schema() -> None:
+    """Print the JSON Schema of job files (for editors: yaml-language-server)."""
+    from elastic.spec import dump_schema
+
+    click.echo(dump_schema())
+
+
+@spec_group.command("check")
+@click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE")
+def spec_check(job_file: Path, overrides: tuple[str, ...]) -> None:
+    """Validate a job file and print it with defaults filled in."""
+    from elastic.spec import load_job_spec
+
+    spec = load_job_spec(job_file, overrides)
+    _print_json(spec.model_dump(mode="json"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# jobs
+
+
+@cli.command("submit")
+@click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--address", help="Ray job API, e.g. http://127.0.0.1:8265 (default: the local stack).")
+@click.option("--suffix", help="Run name suffix: a separate run of the same job.")
+@click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE",
+              help="Override a spec field, e.g. --set config.epochs=2 --set workers.min=1.")
+@click.option("--working-dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="Folder uploaded with the job (default: the current directory).")
+@click.option("--follow", is_flag=True, help="Stream logs and exit with the job's status.")
+@click.option("--json", "as_json", is_flag=True)
+def submit_cmd(job_file: Path, address: str | None, suffix: str | None, overrides: tuple[str, ...],
+               working_dir: Path | None, follow: bool, as_json: bool) -> None:
+    """Submit a job through Ray's job API. Submitting the same job again resumes its run.
+
+    \b
+    Example:
+      elastic submit jobs/digits_ddp.yaml --follow
+    """
+    from elastic import submit
+    from elastic.spec import load_job_spec
+
+    spec = load_job_spec(job_file, overrides)
+    target = submit.resolve_target(address)
+    submitted = submit.submit(spec, target, suffix=suffix, working_dir=working_dir)
+    if as_json:
+        _print_json({"run_name": submitted.run_name, "job_id": submitted.job_id, "address": submitted.address})
+    else:
+        click.echo(f"run {submitted.run_name}: submitted job {submitted.job_id} to {submitted.address}")
+    if follow:
+        status = submit.follow(target, submitted.job_id, out=sys.stderr if as_json else sys.stdout)
+        click.echo(f"job {submitted.job_id} {status}", err=as_json)
+        if status != "SUCCEEDED":
+            raise JobFailed(submitted.job_id, status)
+
+
+@cli.command("run", hidden=False)
+@click.argument("job_file", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--run-name", help="Run name (default: from the spec).")
+@click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE")
+def run_cmd(job_file: Path | None, run_name: str | None, overrides: tuple[str, ...]) -> None:
+    """Run a job in this process as the Ray driver (what `submit` starts on the cluster)."""
+    from elastic.spec import load_job_spec
+    from elastic.submit import spec_from_environment
+    from elastic.trainer import run_job
+
+    spec = load_job_spec(job_file, overrides) if job_file else spec_from_environment()
+    run_job(spec, run_name or spec.run_name())
+
+
+@cli.command("status")
+@click.argument("run", required=False)
+@click.option("--address")
+@click.option("--json", "as_json", is_flag=True)
+def status_cmd(run: str | None, address: str | None, as_json: bool) -> None:
+    """List elastic runs on the cluster (newest job per run first)."""
+    from elastic import submit
+
+    rows = submit.list_runs(submit.resolve_target(address))
+    if run:
+        rows = [r for r in rows if run in (r["run"], r["job_id"])]
+    if as_json:
+        _print_json(rows)
+        return
+    table = Table("run", "job id", "status", "message")
+    for row in rows:
+        table.add_row(row["run"], row["job_id"], row["status"], (row["message"] or "")[:80])
+    console.print(table)
+
+
+@cli.command("logs")
+@click.argument("run")
+@click.option("--address")
+def logs_cmd(run: str, address: str | None) -> None:
+    """Print the logs of a run's newest job."""
+    from elastic import submit
+
+    click.echo(submit.logs(submit.resolve_target(address), run), nl=False)
+
+
+@cli.command("stop")
+@click.argument("run")
+@click.option("--address")
+def stop_cmd(run: str, address: str | None) -> None:
+    """Stop a run's newest job (its checkpoints stay; submit again to resume)."""
+    from elastic import submit
+
+    job_id = submit.stop(submit.resolve_target(address), run)
+    click.echo(f"stopping job {job_id}")
+
+
+@cli.command("demo")
+@click.option("--spot", default=2, show_default=True, type=click.IntRange(0))
+@click.option("--on-demand", default=1, show_default=True, type=click.IntRange(0))
+@click.option("--down", "stop_after", is_flag=True, help="Stop the local stack when the demo ends.")
+def demo_cmd(spot: int, on_demand: int, stop_after: bool) -> None:
+    """The whole story on the embedded default: local stack, DDP job on spot nodes, checkpoints in S3."""
+    from elastic.demo import run_demo
+
+    run_demo(console, spot=spot, on_demand=on_demand, stop_after=stop_after)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except UserError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(err.exit_code)
+    except JobFailed as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(1)
+    except ElasticError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Typed exceptions. The CLI turns every `UserError` into one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+
+class ElasticError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class UserError(ElasticError):
+    """Bad input from the user: a wrong field, a missing bucket, an unreachable cluster.
+
+    The message is one line that names the problem and the fix; no traceback is shown.
+    """
+
+    exit_code = 2
+
+
+class SpecError(UserError):
+    """A job or sweep spec is invalid."""
+
+
+class StorageError(UserError):
+    """A checkpoint URI cannot be used (missing bucket, no credentials, unreachable endpoint)."""
+
+
+class ClusterError(UserError):
+    """The Ray cluster cannot be reached or the local stack is in the wrong state."""
+
+
+class JobFailed(ElasticError):
+    """A submitted job ended in a state other than SUCCEEDED."""
+
+    def __init__(self, job_id: str, status: str, message: str = ""):
+        super().__init__(f"job {job_id} ended {status}" + (f": {message}" if message else ""))
+        self.job_id = job_id
+        self.status = status

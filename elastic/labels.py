@@ -1,0 +1,23 @@
+"""Node labels shared by the local cluster, the cloud cluster configs and the trainer's placement.
+
+Ray node labels (`ray start --labels`, `ray_start_params` labels in cluster YAMLs) carry these, so a job
+selects nodes by market the same way on the local stack and on a cloud.
+"""
+
+from __future__ import annotations
+
+MARKET_LABEL = "market"  # "spot" or "on-demand"
+ROLE_LABEL = "elastic-role"  # "head" (drivers, controllers) or "worker" (training workers)
+NODE_NAME_LABEL = "elastic-node"  # stable name of a local node, e.g. "spot-0"
+
+HEAD_ROLE = "head"
+WORKER_ROLE = "worker"
+MARKETS = ("spot", "on-demand")
+
+
+def worker_selector(market: str) -> dict[str, str]:
+    """Label selector for training workers of a job whose workers.market is `market`."""
+    selector = {ROLE_LABEL: WORKER_ROLE}
+    if market in MARKETS:
+        selector[MARKET_LABEL] = market
+    return selector

@@ -1,0 +1,136 @@
+"""Start daemons we own and stop exactly those, never anything else on the machine.
+
+Every process we launch gets a marker variable in its environment; children (Ray's raylets, workers and job
+drivers) inherit it. Stopping a stack signals the processes that carry its marker and the process trees of
+the roots it recorded, so `ray stop`-style collateral damage cannot happen.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+MARKER_VARIABLE = "ELASTIC_LOCAL_STACK"
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A root process we started: enough to find it again and to be sure it is still the same process."""
+
+    pid: int
+    create_time: float
+    role: str
+
+    def to_dict(self) -> dict:
+        return {"pid": self.pid, "create_time": self.create_time, "role": self.role}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Launched":
+        return cls(pid=int(data["pid"]), create_time=float(data["create_time"]), role=str(data["role"]))
+
+    def process(self) -> psutil.Process | None:
+        try:
+            proc = psutil.Process(self.pid)
+            # A recycled PID belongs to someone else: compare start times before touching it.
+            if abs(proc.create_time() - self.create_time) > 1.0:
+                return None
+            return proc
+        except psutil.NoSuchProcess:
+            return None
+
+
+def launch(args: list[str], role: str, marker: str, env: dict[str, str], log_path: Path) -> Launched:
+    """Start a daemon in its own session (so it outlives the CLI) with the stack's marker in its environment."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **env, MARKER_VARIABLE: marker}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            args,
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return Launched(pid=proc.pid, create_time=psutil.Process(proc.pid).create_time(), role=role)
+
+
+def find_marked(marker: str) -> list[psutil.Process]:
+    """Every live process whose environment carries this stack's marker."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid == os.getpid():
+                continue
+            if proc.environ().get(MARKER_VARIABLE) == marker:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def stack_processes(marker: str, roots: list[Launched]) -> list[psutil.Process]:
+    """The roots we recorded, their descendants, and anything else carrying the marker."""
+    procs: dict[int, psutil.Process] = {}
+    for root in roots:
+        proc = root.process()
+        if proc is None:
+            continue
+        procs[proc.pid] = proc
+        try:
+            for child in proc.children(recursive=True):
+                procs[child.pid] = child
+        except psutil.NoSuchProcess:
+            pass
+    for proc in find_marked(marker):
+        procs[proc.pid] = proc
+    return [p for p in procs.values() if _alive(p)]
+
+
+def stop(marker: str, roots: list[Launched], grace_seconds: float = 8.0) -> int:
+    """SIGTERM the stack, then SIGKILL what is left after the grace period. Returns how many were stopped."""
+    procs = stack_processes(marker, roots)
+    if not procs:
+        return 0
+    # `ray start --block` tears its node down on SIGTERM; the rest get SIGKILL if they linger
+    # (Ray's node processes were seen ignoring SIGTERM).
+    for proc in procs:
+        _signal(proc, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace_seconds)
+    alive = [p for p in alive if _alive(p)]
+    # Children forked during the grace period still carry the marker.
+    stragglers = {p.pid: p for p in alive}
+    stragglers.update({p.pid: p for p in stack_processes(marker, roots)})
+    for proc in stragglers.values():
+        _signal(proc, signal.SIGKILL)
+    psutil.wait_procs(list(stragglers.values()), timeout=5)
+    return len({p.pid for p in procs} | set(stragglers))
+
+
+def wait_until_gone(marker: str, roots: list[Launched], timeout: float = 10.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = stack_processes(marker, roots)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass

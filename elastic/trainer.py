@@ -1,0 +1,224 @@
+"""Builds and runs Ray Train V2's TorchTrainer from a job spec.
+
+Elastic worker counts (min < max), separate failure and preemption budgets, storage at the job's checkpoint
+URI, a deterministic run name (the same job resumes the same run), and placement on nodes of the job's
+market by Ray node labels.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from elastic.errors import ClusterError, JobFailed, SpecError
+from elastic.labels import worker_selector
+from elastic.spec import FailureSpec, JobSpec, WorkersSpec
+from elastic.storage import parse_uri, pyarrow_filesystem
+
+SUMMARY_FILE = "elastic-summary.json"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure translations from spec to Ray config
+
+
+def scaling_config(workers: WorkersSpec):
+    from ray.train import ScalingConfig
+
+    resources = {"CPU": workers.cpus}
+    if workers.gpus:
+        resources["GPU"] = workers.gpus
+    num_workers: int | tuple[int, int] = (workers.min, workers.max_workers) if workers.elastic else workers.min
+    return ScalingConfig(
+        num_workers=num_workers,
+        use_gpu=workers.gpus > 0,
+        resources_per_worker=resources,
+        label_selector=worker_selector(workers.market),
+    )
+
+
+def failure_config(failure: FailureSpec):
+    from ray.train import FailureConfig
+
+    return FailureConfig(max_failures=failure.max_failures, max_preemption_failures=failure.max_preemptions)
+
+
+def torch_backend(workers: WorkersSpec, logical_gpus: bool) -> str:
+    """NCCL on real GPUs; gloo on CPU and on the logical GPUs the local cluster declares on a CPU machine."""
+    return "nccl" if workers.gpus > 0 and not logical_gpus else "gloo"
+
+
+def run_directory(spec: JobSpec, run_name: str) -> str:
+    """URI of the run's folder: <checkpoint.uri>/<run name>."""
+    return parse_uri(spec.checkpoint.uri).child(run_name).uri
+
+
+def build_trainer(spec: JobSpec, run_name: str):
+    from ray.train import CheckpointConfig, RunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    filesystem, storage_path = pyarrow_filesystem(spec.checkpoint.uri)
+    logical_gpus = os.environ.get("ELASTIC_LOGICAL_GPUS") == "1"
+    return TorchTrainer(
+        _worker_main,
+        train_loop_config={"spec": spec.model_dump(mode="json"), "run_name": run_name},
+        torch_config=TorchConfig(backend=torch_backend(spec.workers, logical_gpus)),
+        scaling_config=scaling_config(spec.workers),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=storage_path,
+            storage_filesystem=filesystem,
+            failure_config=failure_config(spec.failure),
+            checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_name: str
+    run_uri: str
+    status: str
+    metrics: dict
+    checkpoint: str | None
+    error: str | None
+    seconds: float
+
+
+def run_job(spec: JobSpec, run_name: str) -> RunSummary:
+    """Run the job to completion on the connected Ray cluster and write its summary next to its checkpoints."""
+    import ray
+
+    try:
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=True)
+    except ConnectionError:
+        raise ClusterError("no Ray cluster to run on; start one with `elastic local up` or set RAY_ADDRESS") from None
+    run_uri = run_directory(spec, run_name)
+    workers = spec.workers
+    print(f"[elastic] run {run_name}: {workers.min}"
+          + (f"..{workers.max_workers}" if workers.elastic else "")
+          + f" workers on {workers.market} nodes, checkpoints in {run_uri}", flush=True)
+    started = time.monotonic()
+    trainer = build_trainer(spec, run_name)
+    error: str | None = None
+    metrics: dict = {}
+    checkpoint: str | None = None
+    try:
+        result = trainer.fit()
+        metrics = dict(result.metrics or {})
+        checkpoint = _checkpoint_uri(spec, result.checkpoint)
+    except Exception as err:  # the run's own failure: reported in the summary and the job status
+        error = f"{type(err).__name__}: {err}"
+    summary = RunSummary(
+        run_name=run_name,
+        run_uri=run_uri,
+        status="FAILED" if error else "SUCCEEDED",
+        metrics=metrics,
+        checkpoint=checkpoint,
+        error=error,
+        seconds=round(time.monotonic() - started, 1),
+    )
+    _write_summary(spec, run_name, summary)
+    print(f"[elastic] summary {json.dumps(asdict(summary), default=str)}", flush=True)
+    if error:
+        raise JobFailed(run_name, "FAILED", error)
+    return summary
+
+
+def read_summary(spec: JobSpec, run_name: str) -> dict | None:
+    from elastic.storage import fsspec_filesystem
+
+    fs, path = fsspec_filesystem(run_directory(spec, run_name))
+    target = f"{path}/{SUMMARY_FILE}"
+    if not fs.exists(target):
+        return None
+    with fs.open(target, "r") as handle:
+        return json.load(handle)
+
+
+def _write_summary(spec: JobSpec, run_name: str, summary: RunSummary) -> None:
+    from elastic.storage import fsspec_filesystem
+
+    fs, path = fsspec_filesystem(run_directory(spec, run_name))
+    fs.makedirs(path, exist_ok=True)
+    with fs.open(f"{path}/{SUMMARY_FILE}", "w") as handle:
+        json.dump(asdict(summary), handle, indent=2, default=str)
+
+
+def _checkpoint_uri(spec: JobSpec, checkpoint) -> str | None:
+    if checkpoint is None:
+        return None
+    location = parse_uri(spec.checkpoint.uri)
+    return f"{location.scheme}://{checkpoint.path}" if location.is_object_store else checkpoint.path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker side
+
+
+def _worker_main(payload: dict) -> None:
+    """Runs on every training worker: build the session and call the job's function with it."""
+    from elastic.session import Session
+
+    spec = JobSpec.model_validate(payload["spec"])
+    function = resolve_entrypoint(spec.entrypoint)
+    function(Session(spec, payload["run_name"]))
+
+
+def resolve_entrypoint(entrypoint: str) -> Callable[..., Any]:
+    """`path/to/file.py:function` (relative to the working dir or sys.path) or `package.module:function`."""
+    target, _, name = entrypoint.rpartition(":")
+    if target.endswith(".py"):
+        module = _load_file_module(target)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as err:
+            raise SpecError(f"entrypoint: cannot import {target} ({err}); check the module path") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise SpecError(f"entrypoint: {target} has no function {name}; check the name after ':'")
+    return function
+
+
+def _load_file_module(relative: str):
+    for base in [os.getcwd(), *sys.path]:
+        candidate = Path(base or ".") / relative
+        if candidate.is_file():
+            module_name = "elastic_job_" + Path(relative).with_suffix("").as_posix().replace("/", "_").replace("-", "_")
+            if module_name in sys.modules:
+                return sys.modules[module_name]
+            spec = importlib.util.spec_from_file_location(module_name, candidate)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module  # so pickled objects defined in the file can be found again
+            spec.loader.exec_module(module)
+            return module
+    raise SpecError(f"entrypoint: {relative} not found in the working dir; submit from the project root")
+
+
+def check_entrypoint(spec: JobSpec, working_dir: Path) -> None:
+    """Client-side check, without importing user code: the file exists and defines the function."""
+    import ast
+
+    target, name = spec.entrypoint_target, spec.entrypoint_function
+    if not target.endswith(".py"):
+        return  # a module path is importable only in the job's environment; checked when the job starts
+    path = working_dir / target
+    if not path.is_file():
+        raise SpecError(f"entrypoint: {target} not found under {working_dir}; fix the path or submit from the project root")
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    if name not in names:
+        raise SpecError(f"entrypoint: {target} defines no function '{name}'; functions there: "
+                        f"{', '.join(sorted(names)) or 'none'}")
