@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from elastic.errors import SpecError
 
@@ -39,11 +40,13 @@ class WorkersSpec(_Frozen):
         default="any", description="Nodes the workers may use: spot, on-demand, or any worker node."
     )
 
-    @model_validator(mode="after")
-    def _max_not_below_min(self) -> "WorkersSpec":
-        if self.max is not None and self.max < self.min:
-            raise ValueError(f"max ({self.max}) is below min ({self.min}); set max >= min")
-        return self
+    @field_validator("max")
+    @classmethod
+    def _max_not_below_min(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
+        low = info.data.get("min")
+        if value is not None and low is not None and value < low:
+            raise ValueError(f"max ({value}) is below min ({low}); set max >= min")
+        return value
 
     @property
     def max_workers(self) -> int:
@@ -105,7 +108,12 @@ class JobSpec(_Frozen):
 
     def run_name(self, suffix: str | None = None) -> str:
         """Deterministic run name: submitting the same job (and suffix) again resumes the same run."""
-        return f"{self.name}-{suffix}" if suffix else self.name
+        if not suffix:
+            return self.name
+        name = f"{self.name}-{suffix}"
+        if not re.fullmatch(_NAME_PATTERN, name):
+            raise SpecError(f"--suffix {suffix!r}: {_PATTERN_HINTS['name']} (the run name is {name!r})")
+        return name
 
     @property
     def entrypoint_target(self) -> str:
@@ -147,7 +155,7 @@ def parse_job_spec(text: str, source: str = "<job>", overrides: tuple[str, ...] 
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as err:
-        raise SpecError(_describe(err, JobSpec, root, source)) from None
+        raise SpecError(_describe(err, JobSpec, root, source, overrides)) from None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -164,11 +172,21 @@ def apply_overrides(raw: dict[str, Any], overrides: tuple[str, ...] | list[str])
             if not isinstance(nxt, dict):
                 raise SpecError(f"--set {item!r}: {part} is not a mapping")
             target = nxt
-        try:
-            target[parts[-1]] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            target[parts[-1]] = value
+        target[parts[-1]] = _override_value(value)
     return result
+
+
+def _override_value(text: str) -> Any:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads 1e-3 as a string; on a command line it means a number
+        except ValueError:
+            return value
+    return value
 
 
 def job_schema() -> dict[str, Any]:
@@ -183,8 +201,10 @@ def job_schema() -> dict[str, Any]:
 # Error messages
 
 
-def _describe(err: ValidationError, model: type[BaseModel], root: yaml.Node | None, source: str) -> str:
-    errors = err.errors()
+def _describe(err: ValidationError, model: type[BaseModel], root: yaml.Node | None, source: str,
+              overrides: tuple[str, ...] | list[str] = ()) -> str:
+    # A misspelled required field yields "missing" and "unknown field" errors: the typo is the useful one.
+    errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
     loc = tuple(first["loc"])
     kind = first["type"]
@@ -202,11 +222,23 @@ def _describe(err: ValidationError, model: type[BaseModel], root: yaml.Node | No
         line = _line_of(root, loc, key=False)
         got = first.get("input")
         shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
-        text = first["msg"].removeprefix("Value error, ")
+        text = _PATTERN_HINTS.get(first["type"] == "string_pattern_mismatch" and str(loc[-1]), None) \
+            or first["msg"].removeprefix("Value error, ")
         message = f"{dotted}: {text}{shown}"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    where = f"{source}:{line}" if line else source
+    overridden = [o for o in overrides if dotted == o.partition("=")[0].strip()
+                  or dotted.startswith(o.partition("=")[0].strip() + ".")]
+    if overridden:
+        where = f"--set {overridden[-1]}"
+    else:
+        where = f"{source}:{line}" if line else source
     return f"{where}: {message}{more}"
+
+
+_PATTERN_HINTS = {
+    "name": "use lowercase letters, digits, '.', '_' or '-' (up to 63), starting with a letter or digit",
+    "entrypoint": "use path/to/file.py:function or package.module:function",
+}
 
 
 def _allowed_fields(model: type[BaseModel], loc: tuple) -> list[str]:

@@ -43,6 +43,8 @@ class StorageLocation:
 
 
 def parse_uri(uri: str) -> StorageLocation:
+    if "://" not in uri:  # a plain path: never parsed as a URL ('#' and '?' are legal in file names)
+        return StorageLocation(uri=uri, scheme="", bucket="", key=os.path.abspath(uri))
     parsed = urlparse(uri)
     scheme = parsed.scheme
     if scheme in ("", "file"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ def submit(spec: JobSpec, target: Target, suffix: str | None = None, working_dir
         runtime_env["pip"] = list(spec.runtime_env.pip)
     job_id = f"{run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     jobs.submit_job(
-        entrypoint=f"python -m elastic run --run-name {run_name}",
+        entrypoint=f"python -m elastic run --run-name {shlex.quote(run_name)}",
         submission_id=job_id,
         runtime_env=runtime_env,
         metadata={RUN_METADATA_KEY: run_name, "elastic_job": spec.name},

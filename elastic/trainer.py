@@ -98,6 +98,9 @@ class RunSummary:
 
 def run_job(spec: JobSpec, run_name: str) -> RunSummary:
     """Run the job to completion on the connected Ray cluster and write its summary next to its checkpoints."""
+    # torch before ray.init: job drivers that first imported torch after connecting (with pyarrow's S3
+    # client loaded) were seen dying with "Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so".
+    import torch  # noqa: F401
     import ray
 
     try:
@@ -217,8 +220,27 @@ def check_entrypoint(spec: JobSpec, working_dir: Path) -> None:
     path = working_dir / target
     if not path.is_file():
         raise SpecError(f"entrypoint: {target} not found under {working_dir}; fix the path or submit from the project root")
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    if name not in names:
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except SyntaxError as err:
+        raise SpecError(f"entrypoint: {target}:{err.lineno}: syntax error ({err.msg}); fix the file") from None
+    if name not in _top_level_names(tree):
+        functions = sorted(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
         raise SpecError(f"entrypoint: {target} defines no function '{name}'; functions there: "
-                        f"{', '.join(sorted(names)) or 'none'}")
+                        f"{', '.join(functions) or 'none'}")
+
+
+def _top_level_names(tree) -> set[str]:
+    """Names a module binds at top level: defs, classes, assignments and imports (any may be the entry)."""
+    import ast
+
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names

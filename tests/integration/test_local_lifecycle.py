@@ -1,0 +1,55 @@
+"""`elastic local down` stops exactly what `up` started: nothing of the stack survives, nothing else dies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from elastic.processes import MARKER_VARIABLE
+
+pytestmark = pytest.mark.integration
+
+
+def stack_pids(marker: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARKER_VARIABLE) == marker:
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory):
+    cli = cli_factory(tmp_path / "home")
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        cli.run("local", "up", "--spot", "1", "--on-demand", "1", "--json", check=True, timeout=300)
+        state = json.loads((tmp_path / "home" / "local" / "state.json").read_text())
+        marker = state["marker"]
+        pids = stack_pids(marker)
+        roles = {r["role"] for r in state["roots"]}
+        assert roles == {"s3", "head", "on-demand-0", "spot-0"}
+        assert len(pids) >= 8  # ray start x3, gcs, raylets, dashboard, agents, moto...
+
+        status = json.loads(cli.run("local", "status", "--json", check=True).stdout)
+        assert status["running"] and all(status["processes"].values())
+
+        down = cli.run("local", "down", check=True, timeout=120)
+        assert "local stack stopped" in down.stdout
+        assert stack_pids(marker) == []
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+        assert bystander.poll() is None, "down killed a process it did not start"
+        assert not (tmp_path / "home" / "local" / "state.json").exists()
+
+        again = cli.run("local", "down", check=True)
+        assert "no local stack running" in again.stdout
+        assert json.loads(cli.run("local", "status", "--json", check=True).stdout) == {"running": False}
+    finally:
+        bystander.kill()
+        cli.run("local", "down", timeout=120)

@@ -1,0 +1,117 @@
+"""End to end on a real local stack: the digits DDP job through Ray's job API, checkpoints in the S3 bucket,
+placement on spot nodes, resume on resubmission, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import boto3
+import pytest
+
+pytestmark = pytest.mark.integration
+
+RUN_SUFFIX = "it"
+RUN_NAME = f"digits-ddp-{RUN_SUFFIX}"
+WORKER_LINE = re.compile(r"worker rank (\d+)/(\d+) on node ([0-9a-f]+) market=(\S+)")
+
+
+def s3(env: dict):
+    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_REGION"],
+                        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+
+
+def list_keys(env: dict, bucket: str, prefix: str) -> list[str]:
+    pages = s3(env).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
+
+
+def summary(env: dict, bucket: str, run: str) -> dict:
+    body = s3(env).get_object(Bucket=bucket, Key=f"runs/{run}/elastic-summary.json")["Body"].read()
+    return json.loads(body)
+
+
+def test_local_up_reports_labeled_nodes_and_bucket(stack, stack_env):
+    nodes = stack["nodes"]
+    assert [n["market"] for n in nodes].count("spot") == 2
+    assert [n["market"] for n in nodes].count("on-demand") == 2  # the head and one worker
+    head = [n for n in nodes if n["role"] == "head"]
+    assert len(head) == 1 and head[0]["market"] == "on-demand" and head[0]["cpus"] == 0
+    for key in ("ray_address", "dashboard_url", "s3_endpoint", "bucket"):
+        assert stack[key]
+    # The labels jobs select on are on the live Ray nodes, as Ray itself reports them.
+    from ray.util.state import list_nodes
+
+    live = {n.node_id: n.labels for n in list_nodes(address=stack["dashboard_url"])}
+    for node in nodes:
+        assert live[node["node_id"]]["market"] == node["market"]
+        assert live[node["node_id"]]["elastic-role"] == node["role"]
+    s3(stack_env).head_bucket(Bucket=stack["bucket"])  # raises if the bucket is missing
+
+
+def test_submit_trains_on_spot_nodes_and_checkpoints_to_s3(stack, stack_env):
+    cli = stack["cli"]
+    proc = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", RUN_SUFFIX, "--set", "config.epochs=3",
+                   "--follow", check=True)
+    assert "SUCCEEDED" in proc.stdout
+    spot_ids = {n["node_id"] for n in stack["nodes"] if n["market"] == "spot"}
+    placements = {(int(m[1]), m[3], m[4]) for m in WORKER_LINE.finditer(proc.stdout)}
+    assert {rank for rank, _, _ in placements} == {0, 1}
+    assert all(node in spot_ids and market == "spot" for _, node, market in placements), placements
+
+    keys = list_keys(stack_env, stack["bucket"], f"runs/{RUN_NAME}/")
+    checkpoints = sorted({k.split("/")[2] for k in keys if k.split("/")[2].startswith("step-")})
+    # 3 epochs x 23 steps: saves at 50 and at the end (69); keep=3 keeps both.
+    assert checkpoints == ["step-000000050", "step-000000069"], checkpoints
+    assert any(k.endswith("step-000000069/state.pt") for k in keys)
+    result = summary(stack_env, stack["bucket"], RUN_NAME)
+    assert result["status"] == "SUCCEEDED"
+    assert result["metrics"]["step"] == 69
+    assert result["metrics"]["accuracy"] > 0.8
+
+
+def test_resubmitting_the_same_job_resumes_its_run(stack, stack_env):
+    cli = stack["cli"]
+    proc = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", RUN_SUFFIX, "--set", "config.epochs=4",
+                   "--follow", check=True)
+    assert "resumed from checkpoint at step 69" in proc.stdout
+    result = summary(stack_env, stack["bucket"], RUN_NAME)
+    assert result["metrics"]["step"] == 92  # one more epoch of 23 steps, not four from scratch
+
+    status = json.loads(cli.run("status", "--json", check=True).stdout)
+    runs = [row for row in status if row["run"] == RUN_NAME]
+    assert len(runs) == 2 and all(row["status"] == "SUCCEEDED" for row in runs)
+    assert "resumed from checkpoint" in cli.run("logs", RUN_NAME, check=True).stdout
+
+
+def test_logical_gpus_run_the_gpu_path_on_cpu(tmp_path_factory, cli_factory):
+    """--gpus-per-node declares logical GPUs: a job asking for GPUs is scheduled by them and trains on gloo."""
+    cli = cli_factory(tmp_path_factory.mktemp("elastic-home-gpu"))
+    try:
+        up = json.loads(cli.run("local", "up", "--spot", "1", "--on-demand", "0", "--gpus-per-node", "2",
+                                "--json", check=True, timeout=300).stdout)
+        assert [n["gpus"] for n in up["nodes"] if n["role"] == "worker"] == [2]
+        proc = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "gpu", "--set", "workers.gpus=1",
+                       "--set", "workers.min=2", "--set", "workers.cpus=0.5", "--set", "config.epochs=1", "--follow",
+                       check=True, timeout=300)
+        assert "SUCCEEDED" in proc.stdout
+        assert len({m[1] for m in WORKER_LINE.finditer(proc.stdout)}) == 2  # two ranks, one logical GPU each
+    finally:
+        cli.run("local", "down", timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--set", "workers.mx=2"], "workers.mx: unknown field; did you mean 'max'?"),
+        (["--set", "checkpoint.uri=s3://no-such-bucket/runs"], "bucket 'no-such-bucket' does not exist"),
+        (["--address", "http://127.0.0.1:9"], "cannot reach the Ray job API at http://127.0.0.1:9"),
+        (["--set", "entrypoint=jobs/digits_ddp.py:no_such_function"], "defines no function 'no_such_function'"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(stack, args, expected):
+    proc = stack["cli"].run("submit", "jobs/digits_ddp.yaml", "--suffix", "bad", *args, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
