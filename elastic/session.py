@@ -1,34 +1,45 @@
-"""The per-worker harness a training function receives: DDP, restore, checkpoint cadence, metrics.
+"""The per-worker harness a training function receives: DDP, restore, periodic async checkpoints, metrics.
 
 User code stays plain PyTorch::
 
     def train(session):
-        model = session.wrap(Net())
-        state = session.restore()            # None on a fresh run
-        for step in ...:
-            ...
-            if session.checkpoint_due(step):
-                session.save(step, {"model": model.module.state_dict(), ...}, {"loss": loss})
+        model, optimizer = session.prepare(Net(), torch.optim.SGD(...))   # DDP-wrapped; checkpointed
+        session.track("scheduler", scheduler)                             # anything with state_dict()
+        loader = ...                                                      # track it too: its position resumes
+        session.restore()                                                 # latest committed checkpoint, if any
+        while session.step_count < total_steps:
+            ... loss.backward(); optimizer.step()
+            session.step({"loss": loss.item()})                           # counts, checkpoints when due
+        session.finish({"accuracy": acc})
 
-Checkpoints go to the job's checkpoint URI through Ray Train, which records each one, restores the latest
-when the run restarts (after a failure, a preemption, or a resubmission of the same job) and keeps the last
-`checkpoint.keep`.
+Checkpoints are sharded DCP saves written by every rank straight to the run folder at the checkpoint URI
+(elastic.checkpoint), committed by a marker, reported to Ray Train as already-written checkpoints so Ray's
+bookkeeping agrees, and pruned to `checkpoint.keep`. A restore loads model and optimizer (resharded to the
+current world size), the step, every tracked object, each rank's python/numpy/torch RNG state, and `extras`.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import pickle
+import random
+import sys
 import time
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from elastic.chaos import Chaos
+from elastic.checkpoint import CheckpointStore, SaveResult, ShardedCheckpointer
 from elastic.labels import MARKET_LABEL
 from elastic.spec import CheckpointSpec, JobSpec
 
-STATE_FILE = "state.pt"
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> Any: ...
 
 
 class CheckpointCadence:
@@ -53,6 +64,21 @@ class CheckpointCadence:
         self._last_time = self._clock()
 
 
+def capture_rng() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 class Session:
     """Per-worker view of the run. Created by the trainer on every worker; never by user code."""
 
@@ -68,7 +94,21 @@ class Session:
         self.local_rank = context.get_local_rank()
         self.device = _device(self.local_rank)
         self.node_id, self.market = _node_identity()
+        self._storage = context.get_storage()
+        self.store = CheckpointStore(_run_uri(spec, self._storage))
+        # Background saves run their collectives on a group of their own, apart from DDP's all-reduces.
+        self._checkpoint_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.checkpointer = ShardedCheckpointer(self.store, self.rank, self.world_size, self._checkpoint_group,
+                                                on_commit=self._retain)
         self._cadence = CheckpointCadence(spec.checkpoint)
+        self._chaos = Chaos(self.store, self.rank)
+        self._model: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._tracked: dict[str, Stateful] = {}
+        self._pending_metrics: dict | None = None
+        self._last_saved_step: int | None = None
+        self.extras: dict[str, Any] = {}
+        self.step_count = 0
         self.restored_step: int | None = None
         self.log(f"worker rank {self.rank}/{self.world_size} on node {self.node_id} market={self.market} "
                  f"device={self.device}", all_ranks=True)
@@ -77,53 +117,77 @@ class Session:
     def is_chief(self) -> bool:
         return self.rank == 0
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
-        """Move to this worker's device and wrap in DDP, also at world size 1, so `model.module` always works."""
+    # -- setup
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        """Move to this worker's device, wrap in DDP (also at world size 1, so `model.module` always works)
+        and register both for checkpointing. Build the optimizer over `model.parameters()` before calling."""
         model = model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        self._model, self._optimizer = wrapped, optimizer
+        return (wrapped, optimizer) if optimizer is not None else wrapped
 
-    def restore(self) -> dict | None:
-        """The state saved by the latest checkpoint of this run, or None on a fresh start."""
-        import ray.train
+    def track(self, name: str, obj: Stateful) -> None:
+        """Checkpoint and restore `obj` (LR scheduler, GradScaler, data loader...) under `name`."""
+        self._tracked[name] = obj
 
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            return None
-        with checkpoint.as_directory() as folder:
-            state = torch.load(os.path.join(folder, STATE_FILE), map_location="cpu", weights_only=False)
-        self.restored_step = int(state.get("step", 0))
-        self.log(f"resumed from checkpoint at step {self.restored_step} ({checkpoint.path})")
-        return state
+    def loader(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+               **dataloader_kwargs):
+        """An exactly-once, resumable loader over a map-style dataset for this rank (elastic.data), tracked
+        so its position is checkpointed: after a restore at any worker count it continues where it was."""
+        from elastic.data import ResumableLoader, ResumableSampler
 
-    def checkpoint_due(self, step: int) -> bool:
-        due = self._cadence.due(step)
-        if self._cadence.time_based and dist.is_initialized():
-            # Clocks differ by rank; every rank must agree or the collective save would hang.
-            flag = torch.tensor([1 if due else 0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            due = bool(flag.item())
-        return due
+        sampler = ResumableSampler(len(dataset), batch_size, self.rank, self.world_size, seed=seed,
+                                   shuffle=shuffle, drop_last=drop_last)
+        loader = ResumableLoader(dataset, sampler, **dataloader_kwargs)
+        self.track("data", loader)
+        return loader
 
-    def save(self, step: int, state: dict, metrics: dict | None = None) -> None:
-        """Checkpoint `state` (rank 0's copy: DDP replicas are identical) and report metrics. Call on all ranks."""
-        import ray.train
+    # -- restore
+    def restore(self) -> int:
+        """Load the latest committed checkpoint of this run, if any. Returns the step to continue from."""
+        latest = self.store.latest_committed()
+        if self.is_chief:
+            # Torn saves newer than the latest commit (a crash mid-upload) would otherwise be reused by the
+            # next save of the same step with stale shards in them.
+            for info in self.store.list():
+                if not info.committed and (latest is None or info.step > latest.step):
+                    self.store.delete(info.step)
+        if self._checkpoint_group is not None:
+            dist.barrier(group=self._checkpoint_group)
+        if latest is None:
+            return 0
+        state = self._template()
+        self.checkpointer.load(latest.step, state)
+        self._apply(state)
+        self.restored_step = self.step_count
+        self.log(f"resumed from checkpoint at step {self.step_count} ({latest.uri}, written by "
+                 f"{latest.world_size} workers, now {self.world_size})")
+        return self.step_count
 
-        metrics = {"step": step, **(metrics or {})}
-        with tempfile.TemporaryDirectory(prefix="elastic-ckpt-") as folder:
-            checkpoint = None
-            if self.is_chief:
-                torch.save({**state, "step": step}, os.path.join(folder, STATE_FILE))
-                checkpoint = ray.train.Checkpoint.from_directory(folder)
-            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"step-{step:09d}")
+    # -- training loop
+    def step(self, metrics: dict | None = None) -> None:
+        """Call once per optimizer step, on every rank. Checkpoints (asynchronously) when due."""
+        self.step_count += 1
+        self._chaos.maybe_kill(self.step_count)
+        if self._checkpoint_due():
+            self.checkpoint(metrics)
+
+    def checkpoint(self, metrics: dict | None = None, asynchronous: bool = True) -> None:
+        """Save now (all ranks). Blocks only while state is copied to host memory."""
+        self._report_finished(self.checkpointer.wait())  # at most one in flight
+        self.checkpointer.save(self.step_count, self._state(), asynchronous=asynchronous)
+        self._last_saved_step = self.step_count
+        self._pending_metrics = {"step": self.step_count, **(metrics or {})}
         self._cadence.saved()
-        self.log(f"checkpoint at step {step}: {_format(metrics)}")
 
-    def report(self, metrics: dict) -> None:
-        """Report metrics without a checkpoint (all ranks)."""
-        import ray.train
-
-        ray.train.report(metrics)
+    def finish(self, metrics: dict | None = None) -> None:
+        """Final checkpoint, waited for and reported with `metrics`: call at the end of training on every rank."""
+        if self._last_saved_step == self.step_count:
+            self._pending_metrics = {"step": self.step_count, **(metrics or {})}  # that save is the final one
+        else:
+            self.checkpoint(metrics, asynchronous=False)
+        self._report_finished(self.checkpointer.wait(), final=True)
 
     def all_reduce_sum(self, *values: float) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)
@@ -133,7 +197,107 @@ class Session:
 
     def log(self, message: str, all_ranks: bool = False) -> None:
         if all_ranks or self.is_chief:
-            print(f"[elastic] {message}", flush=True)
+            # Not print(): Ray Train patches it to log *and* tee to a wrapped stdout, so each line showed twice.
+            sys.stdout.write(f"[elastic] {message}\n")
+            sys.stdout.flush()
+
+    # -- internals
+    def _checkpoint_due(self) -> bool:
+        due = self._cadence.due(self.step_count)
+        if self._cadence.time_based and dist.is_initialized():
+            # Clocks differ by rank; every rank must agree or the collective save would hang.
+            flag = torch.tensor([1 if due else 0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            due = bool(flag.item())
+        return due
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        state: dict[str, Any] = {}
+        if self._model is not None:
+            optimizers = [self._optimizer] if self._optimizer is not None else []
+            model_state, optim_state = get_state_dict(self._model, optimizers)
+            state["model"] = model_state
+            if optimizers:
+                state["optim"] = optim_state
+        rng = [None] * self.world_size
+        if dist.is_initialized():
+            dist.all_gather_object(rng, capture_rng())
+        else:
+            rng = [capture_rng()]
+        # One replicated blob for everything that is not a tensor: DCP writes it once.
+        state["elastic"] = pickle.dumps({
+            "step": self.step_count,
+            "world_size": self.world_size,
+            "rng": rng,
+            "tracked": {name: obj.state_dict() for name, obj in self._tracked.items()},
+            "extras": self.extras,
+        })
+        return state
+
+    def _template(self) -> dict:
+        state = self._state()
+        state["elastic"] = b""
+        return state
+
+    def _apply(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        if self._model is not None:
+            optimizers = [self._optimizer] if self._optimizer is not None else []
+            set_state_dict(self._model, optimizers, model_state_dict=state["model"],
+                           optim_state_dict=state.get("optim", {}))
+        blob = pickle.loads(state["elastic"])
+        self.step_count = int(blob["step"])
+        for name, obj in self._tracked.items():
+            if name in blob["tracked"]:
+                obj.load_state_dict(blob["tracked"][name])
+        self.extras = dict(blob["extras"])
+        rng = blob["rng"]
+        # Same world size: each rank continues its own random stream. Otherwise streams cannot map 1:1;
+        # rank r takes saved stream r mod W so every rank is still deterministic.
+        restore_rng(rng[self.rank % len(rng)])
+
+    def _retain(self, result: SaveResult) -> None:
+        """After a commit (background thread): prune old checkpoints; rank 0 alone touches the store."""
+        if self.is_chief:
+            deleted = self.store.retain(self.spec.checkpoint.keep)
+            if deleted:
+                self.log(f"retention: removed checkpoints at steps {', '.join(map(str, deleted))}")
+
+    def _report_finished(self, result: SaveResult | None, final: bool = False) -> None:
+        """Tell Ray Train of a committed checkpoint (already written: no upload). All ranks call this."""
+        import ray.train
+        from ray.train import Checkpoint, CheckpointUploadMode
+
+        metrics = self._pending_metrics
+        if result is None or metrics is None:
+            return
+        self._pending_metrics = None
+        if not result.committed:
+            self.log(f"checkpoint at step {result.step} FAILED after {result.attempts} attempts: {result.error}")
+            if final:
+                raise RuntimeError(f"final checkpoint at step {result.step} failed: {result.error}")
+            return
+        name = CheckpointStore.folder_name(result.step)
+        checkpoint = None
+        if self.is_chief:
+            checkpoint = Checkpoint(self._storage.build_checkpoint_path_from_name(name),
+                                    filesystem=self._storage.storage_filesystem)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
+                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        self.log(f"checkpoint at step {result.step} committed (stall {result.blocked_seconds * 1000:.1f} ms, "
+                 f"write {result.total_seconds:.2f} s): {_format(metrics)}")
+
+
+def _run_uri(spec: JobSpec, storage) -> str:
+    """The run folder as a URI (same place Ray Train keeps the run), e.g. s3://bucket/runs/<run name>."""
+    from elastic.storage import parse_uri
+
+    location = parse_uri(spec.checkpoint.uri)
+    path = storage.experiment_fs_path
+    return f"{location.scheme}://{path}" if location.is_object_store else path
 
 
 def _device(local_rank: int) -> torch.device:

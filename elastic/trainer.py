@@ -76,7 +76,8 @@ def build_trainer(spec: JobSpec, run_name: str):
             storage_path=storage_path,
             storage_filesystem=filesystem,
             failure_config=failure_config(spec.failure),
-            checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+            # Retention is ours (elastic.checkpoint): it deletes only after a newer commit, marker first.
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
         ),
     )
 

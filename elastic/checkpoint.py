@@ -1,0 +1,334 @@
+"""Sharded, asynchronous checkpoints straight to the checkpoint URI, with a commit marker and retention.
+
+Layout of a run folder (``<checkpoint.uri>/<run name>/``)::
+
+    step-000000120/.metadata         torch.distributed.checkpoint (DCP) metadata, written by rank 0 last
+    step-000000120/__0_0.distcp      shards: every rank writes its share in parallel (replicated DDP state is
+    step-000000120/__1_0.distcp      split across ranks by DCP's planner, not all written by rank 0)
+    step-000000120/COMMITTED.json    the commit marker and manifest: written after every shard is durable
+
+A folder without its marker is not a checkpoint (a torn save, or one being deleted). Retention removes the
+marker first and the shards after, and only ever after a newer checkpoint has committed, so a crash at any
+moment leaves the latest committed checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from elastic.storage import fsspec_filesystem, fsspec_options, parse_uri
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMMITTED.json"
+DCP_METADATA = ".metadata"
+_STEP_FOLDER = re.compile(r"^step-(\d{9})$")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: str  # inside the filesystem (no scheme)
+    uri: str
+    committed: bool
+    time: float | None = None
+    world_size: int | None = None
+    size_bytes: int = 0
+    shards: int = 0
+    files: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "uri": self.uri, "committed": self.committed, "time": self.time,
+                "world_size": self.world_size, "size_bytes": self.size_bytes, "shards": self.shards}
+
+
+class CheckpointStore:
+    """The checkpoints of one run: listing, commit markers, verification and retention. No torch.distributed."""
+
+    def __init__(self, run_uri: str):
+        self.run_uri = run_uri.rstrip("/")
+        self.location = parse_uri(self.run_uri)
+        self.fs, self.root = fsspec_filesystem(self.run_uri)
+
+    # -- naming
+    @staticmethod
+    def folder_name(step: int) -> str:
+        return f"step-{step:09d}"
+
+    def path(self, step: int) -> str:
+        return f"{self.root}/{self.folder_name(step)}"
+
+    def uri(self, step: int) -> str:
+        return f"{self.run_uri}/{self.folder_name(step)}"
+
+    def writer_options(self) -> dict:
+        """fsspec options for torch's FsspecWriter/Reader (endpoint, region; credentials from the AWS chain)."""
+        return fsspec_options(self.location)
+
+    # -- reading
+    def list(self) -> list[CheckpointInfo]:
+        """Every step folder, oldest first, committed or not."""
+        try:
+            entries = self.fs.ls(self.root, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        infos = []
+        for entry in entries:
+            match = _STEP_FOLDER.match(entry.rstrip("/").rsplit("/", 1)[-1])
+            if match:
+                infos.append(self.info(int(match.group(1))))
+        return sorted(infos, key=lambda i: i.step)
+
+    def info(self, step: int) -> CheckpointInfo:
+        path = self.path(step)
+        manifest = self._read_marker(step)
+        if manifest is None:
+            files = self._sizes(path)
+            return CheckpointInfo(step, path, self.uri(step), committed=False, size_bytes=sum(files.values()),
+                                  shards=sum(1 for f in files if f.endswith(".distcp")), files=files)
+        files = {k: int(v) for k, v in manifest["files"].items()}
+        return CheckpointInfo(step, path, self.uri(step), committed=True, time=manifest.get("time"),
+                              world_size=manifest.get("world_size"), size_bytes=sum(files.values()),
+                              shards=sum(1 for f in files if f.endswith(".distcp")), files=files)
+
+    def latest_committed(self) -> CheckpointInfo | None:
+        committed = [i for i in self.list() if i.committed]
+        return committed[-1] if committed else None
+
+    def manifest(self, step: int) -> dict | None:
+        return self._read_marker(step)
+
+    # -- writing
+    def commit(self, step: int, world_size: int, extra: dict | None = None) -> CheckpointInfo:
+        """Write the marker, listing every file with its size. Call once all shards and .metadata exist."""
+        path = self.path(step)
+        files = self._sizes(path)
+        if DCP_METADATA not in files:
+            raise RuntimeError(f"{self.uri(step)} has no {DCP_METADATA}; the save did not finish")
+        manifest = {"step": step, "time": time.time(), "world_size": world_size, "files": files, **(extra or {})}
+        with self.fs.open(f"{path}/{MARKER}", "w") as handle:
+            json.dump(manifest, handle, indent=1)
+        return self.info(step)
+
+    def retain(self, keep: int, keep_every: int | None = None) -> list[int]:
+        """Delete all but the newest `keep` committed checkpoints (and every `keep_every`-th step), and any
+        uncommitted folder older than the newest committed one. Returns the deleted steps."""
+        infos = self.list()
+        committed = [i.step for i in infos if i.committed]
+        if not committed:
+            return []
+        newest = committed[-1]
+        kept = set(committed[-keep:])
+        if keep_every:
+            kept |= {s for s in committed if s % keep_every == 0}
+        doomed = [i.step for i in infos if i.step not in kept and i.step < newest]
+        for step in doomed:
+            self.delete(step)
+        return doomed
+
+    def delete(self, step: int) -> None:
+        """Marker first: from that moment the folder is not a checkpoint, whatever happens to the rest."""
+        path = self.path(step)
+        marker = f"{path}/{MARKER}"
+        if self.fs.exists(marker):
+            self.fs.rm(marker)
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    # -- verification
+    def verify(self, step: int) -> list[str]:
+        """Problems with a checkpoint (empty list: every shard present, readable and sized as recorded)."""
+        manifest = self._read_marker(step)
+        if manifest is None:
+            return [f"{self.uri(step)}: no commit marker ({MARKER}); not a committed checkpoint"]
+        path = self.path(step)
+        actual = self._sizes(path)
+        problems = []
+        for name, size in manifest["files"].items():
+            if name not in actual:
+                problems.append(f"{name}: missing")
+            elif actual[name] != int(size):
+                problems.append(f"{name}: {actual[name]} bytes, manifest says {size}")
+        if DCP_METADATA in actual:
+            problems += self._check_dcp_metadata(path, actual)
+        return problems
+
+    def _check_dcp_metadata(self, path: str, actual: dict[str, int]) -> list[str]:
+        """Every byte range DCP's metadata points at must lie inside an existing shard file."""
+        import pickle
+
+        try:
+            with self.fs.open(f"{path}/{DCP_METADATA}", "rb") as handle:
+                metadata = pickle.load(handle)
+        except Exception as err:  # any unreadable metadata is a broken checkpoint, whatever the cause
+            return [f"{DCP_METADATA}: unreadable ({type(err).__name__})"]
+        problems = []
+        ends: dict[str, int] = {}
+        for info in (metadata.storage_data or {}).values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in sorted(ends.items()):
+            if name not in actual:
+                problems.append(f"{name}: missing (the metadata references it)")
+            elif actual[name] < end:
+                problems.append(f"{name}: {actual[name]} bytes, the metadata needs {end}")
+        return problems
+
+    def _read_marker(self, step: int) -> dict | None:
+        try:
+            with self.fs.open(f"{self.path(step)}/{MARKER}", "r") as handle:
+                return json.load(handle)
+        except FileNotFoundError:
+            return None
+
+    def _sizes(self, path: str) -> dict[str, int]:
+        try:
+            entries = self.fs.ls(path, detail=True, refresh=True)
+        except FileNotFoundError:
+            return {}
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+                for e in entries if e.get("type") == "file" and not e["name"].endswith(MARKER)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Distributed save and load (torch.distributed.checkpoint)
+
+
+@dataclass
+class SaveResult:
+    step: int
+    committed: bool
+    blocked_seconds: float  # the training loop's stall: staging to host memory
+    total_seconds: float
+    attempts: int
+    error: str | None = None
+
+
+class ShardedCheckpointer:
+    """DCP saves of a state dict from every rank straight to the store, async with at most one in flight.
+
+    Collectives of the background save run on a process group of their own, so they never interleave with
+    the training loop's DDP all-reduces on the default group.
+    """
+
+    def __init__(self, store: CheckpointStore, rank: int, world_size: int, process_group=None,
+                 retries: int = 3, backoff_seconds: float = 1.0,
+                 on_commit: Callable[[SaveResult], None] | None = None):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.group = process_group
+        self.retries = retries
+        self.backoff_seconds = backoff_seconds
+        self.on_commit = on_commit
+        self._in_flight: Future | None = None
+        self._buffers: dict | None = None  # staging memory, reused between saves
+        self.results: list[SaveResult] = []
+
+    # -- save
+    def save(self, step: int, state: dict[str, Any], asynchronous: bool = True) -> Future:
+        """Stage `state` to host memory (the only blocking part), then write and commit it in the background."""
+        previous = self.wait()  # at most one in flight: a second save waits for the first
+        del previous
+        started = time.perf_counter()
+        staged = self._stage(state)
+        blocked = time.perf_counter() - started
+        future: Future = Future()
+
+        def work() -> None:
+            try:
+                future.set_result(self._write_and_commit(step, staged, blocked, started))
+            except BaseException as err:  # surfaced through the future to the caller
+                future.set_exception(err)
+
+        self._in_flight = future  # synchronous saves too: wait() hands back their result
+        if asynchronous:
+            threading.Thread(target=work, name=f"elastic-ckpt-{step}", daemon=True).start()
+        else:
+            work()
+        return future
+
+    def wait(self) -> SaveResult | None:
+        """Block until the save in flight (if any) has committed or failed."""
+        if self._in_flight is None:
+            return None
+        future, self._in_flight = self._in_flight, None
+        return future.result()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None and not self._in_flight.done()
+
+    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Copy tensors to host memory the loop will not touch (training keeps updating the originals).
+
+        Buffers are reused between saves, so after the first save staging is a memcpy per tensor."""
+        self._buffers = _stage_into(state, self._buffers)
+        return self._buffers
+
+    def _write_and_commit(self, step: int, staged: dict, blocked: float, started: float) -> SaveResult:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        error = None
+        for attempt in range(1, self.retries + 2):
+            try:
+                writer = FsspecWriter(self.store.uri(step), overwrite=True, **self.store.writer_options())
+                dcp.save(staged, storage_writer=writer, process_group=self.group)
+                # dcp.save returns on rank 0 only after gathering every rank's write results and writing
+                # .metadata, so every shard is durable here: commit.
+                if self.rank == 0:
+                    self.store.commit(step, self.world_size)
+                result = SaveResult(step, True, blocked, time.perf_counter() - started, attempt)
+                self.results.append(result)
+                if self.on_commit:
+                    self.on_commit(result)
+                return result
+            except Exception as err:  # storage errors vary by backend; DCP re-raises them on every rank alike
+                error = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+                log.warning("checkpoint step %d attempt %d failed: %s", step, attempt, error)
+                if attempt <= self.retries:
+                    time.sleep(self.backoff_seconds * 2 ** (attempt - 1))
+        result = SaveResult(step, False, blocked, time.perf_counter() - started, self.retries + 1, error)
+        self.results.append(result)
+        return result
+
+    # -- load
+    def load(self, step: int, state: dict[str, Any]) -> dict[str, Any]:
+        """Fill `state` (a template with the tensors to load) from checkpoint `step`; reshards as needed."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        reader = FsspecReader(self.store.uri(step), **self.store.writer_options())
+        dcp.load(state, storage_reader=reader, process_group=self.group)
+        return state
+
+
+def _stage_into(value: Any, buffer: Any) -> Any:
+    import copy
+
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        source = value.detach()
+        if (isinstance(buffer, torch.Tensor) and buffer.shape == source.shape and buffer.dtype == source.dtype
+                and buffer.device.type == "cpu"):
+            return buffer.copy_(source)
+        staged = torch.empty(source.shape, dtype=source.dtype, device="cpu",
+                             pin_memory=source.is_cuda and torch.cuda.is_available())
+        return staged.copy_(source)
+    if isinstance(value, dict):
+        previous = buffer if isinstance(buffer, dict) else {}
+        return {key: _stage_into(item, previous.get(key)) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        previous = buffer if isinstance(buffer, (list, tuple)) and len(buffer) == len(value) else [None] * len(value)
+        return type(value)(_stage_into(item, old) for item, old in zip(value, previous))
+    return copy.deepcopy(value)

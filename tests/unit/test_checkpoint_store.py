@@ -1,0 +1,331 @@
+"""Unit tests for CheckpointStore (elastic/checkpoint.py) on the local filesystem: listing, commit markers,
+retention, crash safety of deletion and verification. No torch.distributed process group, no object store.
+
+Checkpoint folders are built by hand (a `.metadata` file and `__R_0.distcp` shards), except for the checks
+of DCP's metadata, which need a real `.metadata` written by a single-process DCP save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from elastic.checkpoint import DCP_METADATA, MARKER, CheckpointStore
+
+SHARDS = {"__0_0.distcp": b"a" * 100, "__1_0.distcp": b"b" * 60}
+METADATA = b"not really DCP metadata"
+
+
+def step_dir(run: Path, step: int) -> Path:
+    return run / CheckpointStore.folder_name(step)
+
+
+def make_folder(run: Path, step: int, metadata: bool = True, shards: dict[str, bytes] | None = None) -> Path:
+    """A checkpoint folder as DCP leaves it before the commit marker: shards (+ .metadata once finished)."""
+    folder = step_dir(run, step)
+    folder.mkdir(parents=True)
+    for name, data in (SHARDS if shards is None else shards).items():
+        (folder / name).write_bytes(data)
+    if metadata:
+        (folder / DCP_METADATA).write_bytes(METADATA)
+    return folder
+
+
+def make_checkpoints(store: CheckpointStore, run: Path, committed: list[int], uncommitted: list[int] = ()):
+    for step in sorted([*committed, *uncommitted]):
+        make_folder(run, step)
+        if step in committed:
+            store.commit(step, world_size=2)
+
+
+def steps_on_disk(run: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in run.iterdir() if p.name.startswith("step-"))
+
+
+@pytest.fixture
+def run(tmp_path) -> Path:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    return folder
+
+
+@pytest.fixture
+def store(run) -> CheckpointStore:
+    return CheckpointStore(str(run))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# naming and listing
+
+
+def test_folder_names_are_zero_padded_so_lexical_order_is_numeric(store, run):
+    assert CheckpointStore.folder_name(10) == "step-000000010"
+    assert store.uri(7) == f"{run}/step-000000007"
+    assert store.path(7).endswith("/step-000000007")
+
+
+def test_list_of_a_run_that_does_not_exist_is_empty(tmp_path):
+    assert CheckpointStore(str(tmp_path / "nothing-here")).list() == []
+    assert CheckpointStore(str(tmp_path / "nothing-here")).latest_committed() is None
+
+
+def test_list_orders_by_step_and_reports_committed_flags(store, run):
+    for step in (100, 10, 30, 20):  # created out of order
+        make_folder(run, step)
+    store.commit(10, world_size=2)
+    store.commit(30, world_size=4)
+    # things in the run folder that are not checkpoints
+    (run / "step-12").mkdir()
+    (run / "step-0000000200-old").mkdir()
+    (run / "notes.txt").write_text("hi")
+
+    infos = store.list()
+    assert [i.step for i in infos] == [10, 20, 30, 100]
+    assert [i.committed for i in infos] == [True, False, True, False]
+    by_step = {i.step: i for i in infos}
+    assert by_step[30].world_size == 4 and by_step[10].world_size == 2
+    assert by_step[20].world_size is None and by_step[20].time is None
+    for info in infos:
+        assert info.uri == store.uri(info.step)
+        assert info.shards == 2
+        assert info.size_bytes == 100 + 60 + len(METADATA)
+        assert MARKER not in info.files
+
+
+# ---------------------------------------------------------------------------------------------------------
+# commit
+
+
+def test_commit_writes_a_marker_listing_every_file_with_its_size(store, run):
+    folder = make_folder(run, 10)
+    info = store.commit(10, world_size=2, extra={"note": "x"})
+
+    marker = json.loads((folder / MARKER).read_text())
+    assert marker["step"] == 10
+    assert marker["world_size"] == 2
+    assert marker["note"] == "x"
+    assert isinstance(marker["time"], float)
+    assert marker["files"] == {"__0_0.distcp": 100, "__1_0.distcp": 60, DCP_METADATA: len(METADATA)}
+    assert store.manifest(10) == marker
+    assert info.committed and info.step == 10 and info.world_size == 2
+    assert info.shards == 2
+    assert info.size_bytes == 160 + len(METADATA)
+    assert info.files == marker["files"]
+
+
+def test_commit_refuses_a_folder_without_dcp_metadata(store, run):
+    folder = make_folder(run, 10, metadata=False)
+    with pytest.raises(RuntimeError, match=r"\.metadata"):
+        store.commit(10, world_size=2)
+    assert not (folder / MARKER).exists()
+    assert store.info(10).committed is False
+
+
+def test_commit_refuses_a_folder_that_does_not_exist(store, run):
+    with pytest.raises(RuntimeError):
+        store.commit(10, world_size=1)
+    assert not step_dir(run, 10).exists() or not (step_dir(run, 10) / MARKER).exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# latest_committed
+
+
+def test_latest_committed_ignores_newer_uncommitted_folders(store, run):
+    make_checkpoints(store, run, committed=[10, 20], uncommitted=[30, 40])
+    latest = store.latest_committed()
+    assert latest is not None and latest.step == 20 and latest.committed
+
+
+def test_latest_committed_is_none_without_any_commit(store, run):
+    make_checkpoints(store, run, committed=[], uncommitted=[10, 20])
+    assert store.latest_committed() is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# retention
+
+
+def test_retain_keeps_the_newest_committed_and_never_an_in_flight_save(store, run):
+    make_checkpoints(store, run, committed=[10, 30, 40, 50], uncommitted=[20, 45, 60])
+    deleted = store.retain(keep=2)
+    assert sorted(deleted) == [10, 20, 30, 45]
+    # 40 and 50: the two newest committed; 60: newer than the newest commit (a save in flight), kept
+    assert steps_on_disk(run) == [40, 50, 60]
+    assert [(i.step, i.committed) for i in store.list()] == [(40, True), (50, True), (60, False)]
+    assert store.latest_committed().step == 50
+
+
+def test_retain_keeps_every_folder_newer_than_the_newest_commit(store, run):
+    make_checkpoints(store, run, committed=[10], uncommitted=[20, 30, 40])
+    assert store.retain(keep=1) == []
+    assert steps_on_disk(run) == [10, 20, 30, 40]
+
+
+def test_retain_without_any_commit_deletes_nothing(store, run):
+    make_checkpoints(store, run, committed=[], uncommitted=[10, 20])
+    assert store.retain(keep=1) == []
+    assert steps_on_disk(run) == [10, 20]
+
+
+def test_retain_is_idempotent(store, run):
+    make_checkpoints(store, run, committed=[10, 20, 30])
+    assert store.retain(keep=2) == [10]
+    assert store.retain(keep=2) == []
+    assert steps_on_disk(run) == [20, 30]
+
+
+def test_retain_keep_every_keeps_multiples(store, run):
+    make_checkpoints(store, run, committed=[10, 20, 30, 40, 50, 60, 70], uncommitted=[35, 80])
+    deleted = store.retain(keep=1, keep_every=20)
+    assert sorted(deleted) == [10, 30, 35, 50]
+    # 20, 40, 60: multiples of 20; 70: the newest; 80: in flight
+    assert steps_on_disk(run) == [20, 40, 60, 70, 80]
+    assert all(i.committed for i in store.list() if i.step != 80)
+
+
+def test_retain_keep_every_does_not_keep_uncommitted_multiples(store, run):
+    make_checkpoints(store, run, committed=[10, 30], uncommitted=[20])
+    assert sorted(store.retain(keep=1, keep_every=20)) == [10, 20]
+    assert steps_on_disk(run) == [30]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# crash safety of deletion
+
+
+def test_delete_removes_the_marker_before_the_shards(store, run, monkeypatch):
+    make_checkpoints(store, run, committed=[10, 20])
+    calls = []
+    real_rm = store.fs.rm
+
+    def recording_rm(path, recursive=False, **kwargs):
+        calls.append((str(path), recursive))
+        return real_rm(path, recursive=recursive, **kwargs)
+
+    monkeypatch.setattr(store.fs, "rm", recording_rm)
+    store.delete(10)
+    assert calls, "delete() removed nothing through the filesystem"
+    assert calls[0][0].endswith(f"step-000000010/{MARKER}") and not calls[0][1]
+    assert steps_on_disk(run) == [20]
+
+
+def test_a_crash_between_marker_and_shards_leaves_the_latest_loadable(store, run, monkeypatch):
+    make_checkpoints(store, run, committed=[10, 20])
+    real_rm = store.fs.rm
+
+    def crashing_rm(path, recursive=False, **kwargs):
+        if recursive:
+            raise OSError("simulated crash: the process died before the shards were removed")
+        return real_rm(path, recursive=recursive, **kwargs)
+
+    monkeypatch.setattr(store.fs, "rm", crashing_rm)
+    with pytest.raises(OSError, match="simulated crash"):
+        store.retain(keep=1)
+
+    # the half-deleted folder is still there, shards and all, but it is not a checkpoint any more
+    assert (step_dir(run, 10) / "__0_0.distcp").exists()
+    assert not (step_dir(run, 10) / MARKER).exists()
+    infos = {i.step: i for i in store.list()}
+    assert infos[10].committed is False
+    assert infos[20].committed is True
+    assert store.latest_committed().step == 20
+    assert store.verify(10) and MARKER in store.verify(10)[0]
+
+    # after the "restart", retention finishes the job
+    monkeypatch.setattr(store.fs, "rm", real_rm)
+    assert store.retain(keep=1) == [10]
+    assert steps_on_disk(run) == [20]
+
+
+def test_delete_of_a_missing_folder_is_a_no_op(store, run):
+    make_checkpoints(store, run, committed=[10])
+    store.delete(99)
+    assert steps_on_disk(run) == [10]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# verify: manifest checks (hand-built folders) and DCP metadata checks (a real single-process DCP save)
+
+
+@pytest.fixture
+def dcp_checkpoint(store, run):
+    """A real DCP checkpoint at step 100 (one file per tensor, so several shards), not yet committed."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    generator = torch.Generator().manual_seed(0)
+    state = {
+        "model": {"w": torch.randn(64, 32, generator=generator), "b": torch.randn(64, generator=generator)},
+        "optim": {"m": torch.randn(64, 32, generator=generator), "v": torch.randn(64, 32, generator=generator)},
+    }
+    folder = step_dir(run, 100)
+    dcp.save(state, storage_writer=FileSystemWriter(str(folder), single_file_per_rank=False), no_dist=True)
+    shards = sorted(p.name for p in folder.iterdir() if p.name.endswith(".distcp"))
+    assert len(shards) >= 2 and (folder / DCP_METADATA).exists()
+    return folder, shards
+
+
+def truncate(path: Path, keep_bytes: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.truncate(keep_bytes)
+
+
+def test_verify_of_a_good_checkpoint_is_clean(store, dcp_checkpoint):
+    store.commit(100, world_size=1)
+    assert store.verify(100) == []
+
+
+def test_verify_reports_a_missing_marker(store, run):
+    make_folder(run, 10)
+    problems = store.verify(10)
+    assert len(problems) == 1
+    assert MARKER in problems[0] and "step-000000010" in problems[0]
+
+
+def test_verify_reports_a_missing_shard(store, dcp_checkpoint):
+    folder, shards = dcp_checkpoint
+    store.commit(100, world_size=1)
+    os.remove(folder / shards[0])
+    problems = store.verify(100)
+    assert problems and all(shards[0] in p for p in problems), problems
+    assert any(p.startswith(f"{shards[0]}: missing") for p in problems)
+
+
+def test_verify_reports_a_truncated_shard_against_the_manifest(store, dcp_checkpoint):
+    folder, shards = dcp_checkpoint
+    store.commit(100, world_size=1)
+    size = (folder / shards[-1]).stat().st_size
+    truncate(folder / shards[-1], size - 10)
+    problems = store.verify(100)
+    assert any(p.startswith(shards[-1]) and f"manifest says {size}" in p for p in problems), problems
+    assert all(shards[-1] in p for p in problems), problems
+
+
+def test_verify_reports_a_shard_shorter_than_the_metadata_needs(store, dcp_checkpoint):
+    """Truncated *before* the commit: the manifest agrees with the short file; only DCP's metadata knows."""
+    folder, shards = dcp_checkpoint
+    size = (folder / shards[0]).stat().st_size
+    truncate(folder / shards[0], size // 2)
+    store.commit(100, world_size=1)
+    problems = store.verify(100)
+    assert problems == [f"{shards[0]}: {size // 2} bytes, the metadata needs {size}"], problems
+
+
+def test_verify_reports_a_shard_the_metadata_references_but_nobody_listed(store, dcp_checkpoint):
+    folder, shards = dcp_checkpoint
+    os.remove(folder / shards[0])  # lost before the commit: the manifest does not know it
+    store.commit(100, world_size=1)
+    problems = store.verify(100)
+    assert problems == [f"{shards[0]}: missing (the metadata references it)"], problems
+
+
+def test_verify_reports_unreadable_metadata(store, run):
+    make_folder(run, 10)  # .metadata holds garbage, not a pickled DCP Metadata
+    store.commit(10, world_size=2)
+    problems = store.verify(10)
+    assert len(problems) == 1 and problems[0].startswith(f"{DCP_METADATA}: unreadable"), problems
