@@ -278,13 +278,29 @@ def _scenario_fail(rank, world, model, optimizer, store, checkpointer, out, args
 
 
 def _scenario_kill(rank, world, model, optimizer, store, checkpointer, out, args, report):
-    """Commit a good checkpoint, then start a large async save and exit hard before it can finish."""
+    """Commit a good checkpoint, then start a large async save and exit hard, without wait(), in the middle
+    of its upload: once rank 0's (small) shard is in the store, while the last rank's 64 MB are still going up
+    (the ballast is that rank's alone, so it is not split across ranks)."""
+    import boto3
+
     _train(model, optimizer, rank, 0, 2)
     checkpointer.save(args["good_step"], _state(model, optimizer), asynchronous=False)
-    report["good"] = _result_json(checkpointer.wait() or checkpointer.results[-1])
+    report["good"] = _result_json(checkpointer.results[-1])
     _train(model, optimizer, rank, 2, 1)
-    state = {**_state(model, optimizer), "ballast": _ballast(args["ballast_mb"])}
+    state = _state(model, optimizer)
+    if rank == world - 1:
+        state["ballast"] = _ballast(args["ballast_mb"])
     checkpointer.save(args["torn_step"], state)
+    report["in_flight_after_save"] = checkpointer.in_flight
+
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1")
+    bucket, _, key = store.path(args["torn_step"]).partition("/")
+    deadline = time.monotonic() + 30
+    report["torn_shard_seen"] = False
+    while time.monotonic() < deadline and not report["torn_shard_seen"]:
+        listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{key}/__0_0.distcp")
+        report["torn_shard_seen"] = listed.get("KeyCount", 0) > 0
+        time.sleep(0.01)
     report["in_flight_at_exit"] = checkpointer.in_flight
     _write(out, f"kill-rank{rank}.json", report)
     os._exit(0)  # no wait(), no barrier: the process is gone with the upload in flight
@@ -482,14 +498,17 @@ def test_a_process_killed_during_upload_leaves_the_previous_checkpoint_latest(w2
     reports = w2_run["reports"]["kill"]
     for report in reports:
         assert report["good"]["committed"] is True, report
-    assert any(r["in_flight_at_exit"] for r in reports), "the save had finished before the exit"
+        assert report["in_flight_after_save"] and report["in_flight_at_exit"], "the save finished before the exit"
+        assert report["torn_shard_seen"], "the upload never started: nothing was torn"
 
+    torn = keys_under(s3_env, "run-kill/step-000000020/")
+    assert "__0_0.distcp" in torn and MARKER not in torn, torn  # a torn checkpoint: some shards, no marker
     store = CheckpointStore(RUN_KILL)
     latest = store.latest_committed()
     assert latest is not None and latest.step == 10
     assert store.verify(10) == []
-    assert [i.step for i in store.list() if i.committed] == [10]
-    assert MARKER not in keys_under(s3_env, "run-kill/step-000000020/")
+    assert [(i.step, i.committed) for i in store.list()] == [(10, True), (20, False)]
+    assert MARKER in store.verify(20)[0]
 
 
 def test_a_process_killed_just_before_the_marker_leaves_the_previous_checkpoint_latest(w3_run, s3_env):

@@ -129,9 +129,10 @@ def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env):
                      "--set", "runtime_env.env_vars.ELASTIC_CHAOS_KILL_AT=21:1,37:0", check=True)
     assert killed.stdout.count("chaos: killing rank") == 2
     resumed_at = sorted({int(s) for s in re.findall(r"resumed from checkpoint at step (\d+)", killed.stdout)})
-    # The kill at step 21 lands while step 20's checkpoint is still uploading (it takes ~0.3 s, a step ~10 ms):
-    # that torn checkpoint is never loaded, the run resumes from step 10. The kill at 37 resumes from 30.
-    assert resumed_at in ([10, 30], [20, 30]), "\n".join(l for l in killed.stdout.splitlines() if "[elastic]" in l)
+    # A kill lands while the newest checkpoint may still be uploading (an upload takes ~0.3 s, a step ~10 ms):
+    # a torn checkpoint is never loaded, the run resumes from the one before. Which one depends on timing.
+    assert len(resumed_at) == 2 and resumed_at[0] in (10, 20) and resumed_at[1] in (20, 30), \
+        "\n".join(line for line in killed.stdout.splitlines() if "[elastic]" in line)
 
     root = f"s3://{stack['bucket']}/runs"
     clean = load_final_state(stack_env, f"{root}/digits-ddp-eq-clean", 46)

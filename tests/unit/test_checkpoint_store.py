@@ -15,6 +15,9 @@ import pytest
 
 from elastic.checkpoint import DCP_METADATA, MARKER, CheckpointStore
 
+# the single-process DCP save of the fixture below warns that no process group is initialized: intended
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 SHARDS = {"__0_0.distcp": b"a" * 100, "__1_0.distcp": b"b" * 60}
 METADATA = b"not really DCP metadata"
 
