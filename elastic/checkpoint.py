@@ -137,6 +137,7 @@ class CheckpointStore:
         """Marker first: from that moment the folder is not a checkpoint, whatever happens to the rest."""
         path = self.path(step)
         marker = f"{path}/{MARKER}"
+        self.fs.invalidate_cache(path)
         if self.fs.exists(marker):
             self.fs.rm(marker)
         try:
@@ -183,6 +184,8 @@ class CheckpointStore:
         return problems
 
     def _read_marker(self, step: int) -> dict | None:
+        # Another process may have committed since this one listed the folder: never trust s3fs's cache.
+        self.fs.invalidate_cache(self.path(step))
         try:
             with self.fs.open(f"{self.path(step)}/{MARKER}", "r") as handle:
                 return json.load(handle)
@@ -275,31 +278,51 @@ class ShardedCheckpointer:
         return self._buffers
 
     def _write_and_commit(self, step: int, staged: dict, blocked: float, started: float) -> SaveResult:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
         error = None
         for attempt in range(1, self.retries + 2):
-            try:
-                writer = FsspecWriter(self.store.uri(step), overwrite=True, **self.store.writer_options())
-                dcp.save(staged, storage_writer=writer, process_group=self.group)
-                # dcp.save returns on rank 0 only after gathering every rank's write results and writing
-                # .metadata, so every shard is durable here: commit.
-                if self.rank == 0:
-                    self.store.commit(step, self.world_size)
+            ok, error = self._attempt(step, staged)
+            # Every rank must agree on the outcome, or one rank would retry a collective save alone.
+            if self._all_ranks_agree(ok):
                 result = SaveResult(step, True, blocked, time.perf_counter() - started, attempt)
                 self.results.append(result)
                 if self.on_commit:
                     self.on_commit(result)
                 return result
-            except Exception as err:  # storage errors vary by backend; DCP re-raises them on every rank alike
-                error = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
-                log.warning("checkpoint step %d attempt %d failed: %s", step, attempt, error)
-                if attempt <= self.retries:
-                    time.sleep(self.backoff_seconds * 2 ** (attempt - 1))
+            error = error or "another rank's save or the commit failed"
+            log.warning("checkpoint step %d attempt %d failed: %s", step, attempt, error)
+            if attempt <= self.retries:
+                time.sleep(self.backoff_seconds * 2 ** (attempt - 1))
         result = SaveResult(step, False, blocked, time.perf_counter() - started, self.retries + 1, error)
         self.results.append(result)
         return result
+
+    def _attempt(self, step: int, staged: dict) -> tuple[bool, str | None]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            writer = FsspecWriter(self.store.uri(step), overwrite=True, **self.store.writer_options())
+            dcp.save(staged, storage_writer=writer, process_group=self.group)
+            # dcp.save returns on rank 0 only after gathering every rank's write results and writing
+            # .metadata, so every shard is durable here: commit.
+            if self.rank == 0:
+                self.store.commit(step, self.world_size)
+            return True, None
+        # DCP raises CheckpointException (a BaseException) alike on every rank; storage errors vary by backend.
+        except (Exception, CheckpointException) as err:
+            text = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+            return False, f"{type(err).__name__}: {text}"
+
+    def _all_ranks_agree(self, ok: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        if self.group is None or not dist.is_initialized():
+            return ok
+        flag = torch.tensor([1 if ok else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
 
     # -- load
     def load(self, step: int, state: dict[str, Any]) -> dict[str, Any]:
