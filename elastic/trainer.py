@@ -101,7 +101,7 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
     """Run the job to completion on the connected Ray cluster and write its summary next to its checkpoints."""
     # torch before ray.init: job drivers that first imported torch after connecting (with pyarrow's S3
     # client loaded) were seen dying with "Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so".
-    import torch  # noqa: F401
+    import torch  # noqa: F401  (imported for its side effect on library load order)
     import ray
 
     try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -24,63 +23,16 @@ import pytest
 pytestmark = pytest.mark.integration
 
 BUCKET = "bucket"
-_AWS_VARIABLES_TO_CLEAR = ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION",
-                           "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto_server exited with status {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"moto_server did not listen on port {port} within {timeout:.0f} s")
 
 
 @pytest.fixture(scope="module")
-def s3_env(tmp_path_factory):
-    """A moto S3 server with bucket `bucket`; its environment is set in os.environ for the module."""
+def s3_env(moto_s3):
+    """The module's S3 endpoint (conftest.moto_s3) with bucket `bucket`."""
     import boto3
 
-    port = free_port()
-    binary = Path(sys.executable).parent / "moto_server"
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for_port(port, proc)
-        env = {
-            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_REGION": "us-east-1",
-            "AWS_EC2_METADATA_DISABLED": "true",
-        }
-        with pytest.MonkeyPatch.context() as patch:
-            for name in _AWS_VARIABLES_TO_CLEAR:
-                patch.delenv(name, raising=False)
-            for name, value in env.items():
-                patch.setenv(name, value)
-            boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                         aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=BUCKET)
-            yield env
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
+    boto3.client("s3", endpoint_url=moto_s3["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=BUCKET)
+    return moto_s3
 
 
 def s3_client(env):
@@ -357,6 +309,13 @@ SCENARIOS = {
     "kill_before_marker": _scenario_kill_before_marker,
     "commit_fails_once": _scenario_commit_fails_once,
 }
+
+
+def free_port() -> int:
+    """A free TCP port for the gloo rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def spawn(world: int, env: dict, out: Path, scenarios: list[tuple[str, dict]]) -> dict[str, list[dict]]:

@@ -5,13 +5,8 @@ Needs no Ray: it starts only `moto_server`, once for the module.
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,59 +19,13 @@ pytestmark = pytest.mark.integration
 BUCKET = "elastic-data"
 SHARDS = [(5, 17), (8, 40), (16, 23)]  # (row group size, rows) per shard
 ROWS = sum(count for _, count in SHARDS)
-_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto_server exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"moto_server did not listen on port {port} within {timeout:.0f}s")
 
 
 @pytest.fixture(scope="module")
-def s3_data() -> Iterator[str]:
-    """A moto S3 endpoint with s3://BUCKET/data/part-{0,1,2}.parquet; yields the data URI."""
-    port = _free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        _wait_for_port(port, server)
-        # Module-scoped, so pytest's function-scoped monkeypatch cannot be used; the context restores all.
-        with pytest.MonkeyPatch.context() as env:
-            for name, value in _ENV.items():
-                env.setenv(name, value)
-            env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
-            env.delenv("AWS_ENDPOINT_URL_S3", raising=False)  # would take precedence over AWS_ENDPOINT_URL
-            env.delenv("AWS_PROFILE", raising=False)  # would take precedence over the dummy keys
-            _write_shards(f"http://127.0.0.1:{port}")
-            yield f"s3://{BUCKET}/data/"
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+def s3_data(moto_s3) -> Iterator[str]:
+    """The module's S3 endpoint (conftest.moto_s3) with s3://BUCKET/data/part-{0,1,2}.parquet."""
+    _write_shards(moto_s3["AWS_ENDPOINT_URL"])
+    return f"s3://{BUCKET}/data/"
 
 
 def _write_shards(endpoint: str) -> None:
