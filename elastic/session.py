@@ -160,7 +160,7 @@ class Session:
         state = self._template()
         self.checkpointer.load(latest.step, state)
         self._apply(state)
-        self.restored_step = self.step_count
+        self.restored_step = self._last_saved_step = self.step_count
         self.log(f"resumed from checkpoint at step {self.step_count} ({latest.uri}, written by "
                  f"{latest.world_size} workers, now {self.world_size})")
         return self.step_count
@@ -187,7 +187,12 @@ class Session:
             self._pending_metrics = {"step": self.step_count, **(metrics or {})}  # that save is the final one
         else:
             self.checkpoint(metrics, asynchronous=False)
-        self._report_finished(self.checkpointer.wait(), final=True)
+        result = self.checkpointer.wait()
+        if result is None and self.restored_step == self.step_count:
+            # Resumed at the end (the run had already finished): the restored checkpoint is the final one;
+            # never rewrite a committed folder in place.
+            result = SaveResult(self.step_count, True, 0.0, 0.0, 0)
+        self._report_finished(result, final=True)
 
     def all_reduce_sum(self, *values: float) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)

@@ -90,6 +90,32 @@ def test_resubmitting_the_same_job_resumes_its_run(stack, stack_env):
     assert "resumed from checkpoint" in cli.run("logs", RUN_NAME, check=True).stdout
 
 
+def test_a_run_resumes_at_a_different_worker_count(stack, stack_env):
+    """Written by 2 workers, resumed by 1: model and optimizer reshard, and the data continues from the global
+    sample stream's position (epoch 2 on one worker is 45 steps of 32 samples, not 23 steps of 2 x 32)."""
+    cli = stack["cli"]
+    cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "resize", "--set", "config.epochs=1", "--follow",
+            check=True)
+    one = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "resize", "--set", "config.epochs=2",
+                  "--set", "workers.min=1", "--set", "workers.max=1", "--follow", check=True)
+    assert "resumed from checkpoint at step 23" in one.stdout and "written by 2 workers, now 1" in one.stdout
+    result = summary(stack_env, stack["bucket"], "digits-ddp-resize")
+    assert result["metrics"]["step"] == 23 + 45  # 1,437 samples in batches of 32 on one worker: 45 steps
+    assert result["metrics"]["accuracy"] > 0.8
+
+    # Submitting a finished run again trains nothing and rewrites no checkpoint, yet reports its result.
+    before = {c["step"]: c["time"] for c in json.loads(cli.run("checkpoints", "ls", "digits-ddp-resize",
+                                                               "--json", check=True).stdout)}
+    again = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "resize", "--set", "config.epochs=2",
+                    "--set", "workers.min=1", "--set", "workers.max=1", "--follow", check=True)
+    assert "resumed from checkpoint at step 68" in again.stdout
+    after = {c["step"]: c["time"] for c in json.loads(cli.run("checkpoints", "ls", "digits-ddp-resize",
+                                                              "--json", check=True).stdout)}
+    assert after == before
+    assert summary(stack_env, stack["bucket"], "digits-ddp-resize")["metrics"]["accuracy"] == \
+        result["metrics"]["accuracy"]
+
+
 def load_final_state(env: dict, run_uri: str, step: int) -> dict:
     """A committed checkpoint read back in this process (no process group), as plain tensors."""
     import os
