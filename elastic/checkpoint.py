@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 MARKER = "COMMITTED.json"
 DCP_METADATA = ".metadata"
+# Left in a pruned checkpoint's folder: Ray Train's run snapshot still names the folder and refuses to resume
+# a run whose snapshot points at a path that no longer exists.
+TOMBSTONE = "RETIRED"
 _STEP_FOLDER = re.compile(r"^step-(\d{9})$")
 
 
@@ -50,7 +53,10 @@ class CheckpointInfo:
 
 
 class CheckpointStore:
-    """The checkpoints of one run: listing, commit markers, verification and retention. No torch.distributed."""
+    """The checkpoints of one run: listing, commit markers, verification and retention. No torch.distributed.
+
+    Pruned checkpoints are retired, not removed: marker first, then a tombstone, then the shards. The folder
+    never vanishes, so Ray Train's run snapshot (which lists every reported checkpoint) stays valid."""
 
     def __init__(self, run_uri: str):
         self.run_uri = run_uri.rstrip("/")
@@ -82,7 +88,7 @@ class CheckpointStore:
         infos = []
         for entry in entries:
             match = _STEP_FOLDER.match(entry.rstrip("/").rsplit("/", 1)[-1])
-            if match:
+            if match and not self.fs.exists(f"{self.path(int(match.group(1)))}/{TOMBSTONE}"):
                 infos.append(self.info(int(match.group(1))))
         return sorted(infos, key=lambda i: i.step)
 
@@ -128,13 +134,43 @@ class CheckpointStore:
         kept = set(committed[-keep:])
         if keep_every:
             kept |= {s for s in committed if s % keep_every == 0}
-        doomed = [i.step for i in infos if i.step not in kept and i.step < newest]
-        for step in doomed:
+        doomed = [i for i in infos if i.step not in kept and i.step < newest]
+        for info in doomed:
+            if info.committed:
+                self.retire(info.step)
+            else:
+                self.delete(info.step)
+        return [i.step for i in doomed]
+
+    def remove_torn(self) -> list[int]:
+        """Delete uncommitted folders older than the newest committed checkpoint (failed saves): they can
+        never be loaded, and no one else tracks them. Returns the deleted steps."""
+        infos = self.list()
+        committed = [i.step for i in infos if i.committed]
+        if not committed:
+            return []
+        torn = [i.step for i in infos if not i.committed and i.step < committed[-1]]
+        for step in torn:
             self.delete(step)
-        return doomed
+        return torn
+
+    def retire(self, step: int) -> None:
+        """Prune a committed checkpoint: marker first (from then on it is not a checkpoint), then a tombstone,
+        then the shards. The folder stays, holding only the tombstone."""
+        path = self.path(step)
+        self.fs.invalidate_cache(path)
+        marker = f"{path}/{MARKER}"
+        if self.fs.exists(marker):
+            self.fs.rm(marker)
+        with self.fs.open(f"{path}/{TOMBSTONE}", "w") as handle:
+            handle.write(f"step {step} pruned by retention at {time.time():.0f}\n")
+        for name in self._sizes(path):
+            if name != TOMBSTONE:
+                self.fs.rm(f"{path}/{name}")
 
     def delete(self, step: int) -> None:
-        """Marker first: from that moment the folder is not a checkpoint, whatever happens to the rest."""
+        """Remove a folder no one else tracks (a failed save). Marker first: from that moment the folder is
+        not a checkpoint, whatever happens to the rest."""
         path = self.path(step)
         marker = f"{path}/{MARKER}"
         self.fs.invalidate_cache(path)
@@ -198,7 +234,7 @@ class CheckpointStore:
         except FileNotFoundError:
             return {}
         return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
-                for e in entries if e.get("type") == "file" and not e["name"].endswith(MARKER)}
+                for e in entries if e.get("type") == "file" and not e["name"].endswith((MARKER, TOMBSTONE))}
 
 
 # ---------------------------------------------------------------------------------------------------------

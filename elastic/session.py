@@ -189,9 +189,12 @@ class Session:
             self.checkpoint(metrics, asynchronous=False)
         result = self.checkpointer.wait()
         if result is None and self.restored_step == self.step_count:
-            # Resumed at the end (the run had already finished): the restored checkpoint is the final one;
-            # never rewrite a committed folder in place.
-            result = SaveResult(self.step_count, True, 0.0, 0.0, 0)
+            # Resumed at the end (the run had already finished): nothing new to save, and Ray already knows
+            # that checkpoint. Report the metrics alone; never rewrite a committed folder in place.
+            import ray.train
+
+            ray.train.report({"step": self.step_count, **(metrics or {})})
+            return
         self._report_finished(result, final=True)
 
     def all_reduce_sum(self, *values: float) -> list[float]:
@@ -265,11 +268,11 @@ class Session:
         restore_rng(rng[self.rank % len(rng)])
 
     def _retain(self, result: SaveResult) -> None:
-        """After a commit (background thread): prune old checkpoints; rank 0 alone touches the store."""
+        """After a commit (background thread, rank 0 alone): keep the newest `checkpoint.keep`."""
         if self.is_chief:
-            deleted = self.store.retain(self.spec.checkpoint.keep)
-            if deleted:
-                self.log(f"retention: removed checkpoints at steps {', '.join(map(str, deleted))}")
+            pruned = self.store.retain(self.spec.checkpoint.keep)
+            if pruned:
+                self.log(f"retention: pruned checkpoints at steps {', '.join(map(str, pruned))}")
 
     def _report_finished(self, result: SaveResult | None, final: bool = False) -> None:
         """Tell Ray Train of a committed checkpoint (already written: no upload). All ranks call this."""

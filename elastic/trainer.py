@@ -76,7 +76,8 @@ def build_trainer(spec: JobSpec, run_name: str):
             storage_path=storage_path,
             storage_filesystem=filesystem,
             failure_config=failure_config(spec.failure),
-            # Retention is ours (elastic.checkpoint): it deletes only after a newer commit, marker first.
+            # Retention is ours (elastic.checkpoint): after a newer commit, marker first, folder kept as a
+            # tombstone so Ray's run snapshot stays valid. Ray's own pruning ran too late to rely on at run end.
             checkpoint_config=CheckpointConfig(num_to_keep=None),
         ),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,8 @@ import pytest
 from elastic.processes import MARKER_VARIABLE
 
 pytestmark = pytest.mark.integration
+
+WORKER_LINE = re.compile(r"worker rank (\d+)/(\d+) on node ([0-9a-f]+) market=(\S+)")
 
 
 def stack_pids(marker: str) -> list[int]:
@@ -52,4 +55,20 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         assert json.loads(cli.run("local", "status", "--json", check=True).stdout) == {"running": False}
     finally:
         bystander.kill()
+        cli.run("local", "down", timeout=120)
+
+
+def test_logical_gpus_run_the_gpu_path_on_cpu(tmp_path_factory, cli_factory):
+    """--gpus-per-node declares logical GPUs: a job asking for GPUs is scheduled by them and trains on gloo."""
+    cli = cli_factory(tmp_path_factory.mktemp("elastic-home-gpu"))
+    try:
+        up = json.loads(cli.run("local", "up", "--spot", "1", "--on-demand", "0", "--gpus-per-node", "2",
+                                "--json", check=True, timeout=300).stdout)
+        assert [n["gpus"] for n in up["nodes"] if n["role"] == "worker"] == [2]
+        proc = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "gpu", "--set", "workers.gpus=1",
+                       "--set", "workers.min=2", "--set", "workers.cpus=0.5", "--set", "config.epochs=1", "--follow",
+                       check=True, timeout=300)
+        assert "SUCCEEDED" in proc.stdout
+        assert len({m[1] for m in WORKER_LINE.finditer(proc.stdout)}) == 2  # two ranks, one logical GPU each
+    finally:
         cli.run("local", "down", timeout=120)

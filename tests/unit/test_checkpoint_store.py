@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.checkpoint import DCP_METADATA, MARKER, CheckpointStore
+from elastic.checkpoint import DCP_METADATA, MARKER, TOMBSTONE, CheckpointStore
 
 # the single-process DCP save of the fixture below warns that no process group is initialized: intended
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -45,7 +45,9 @@ def make_checkpoints(store: CheckpointStore, run: Path, committed: list[int], un
 
 
 def steps_on_disk(run: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in run.iterdir() if p.name.startswith("step-"))
+    """Step folders that still hold a checkpoint (retired ones keep only their tombstone)."""
+    return sorted(int(p.name.split("-")[1]) for p in run.iterdir()
+                  if p.name.startswith("step-") and not (p / TOMBSTONE).exists())
 
 
 @pytest.fixture
@@ -216,12 +218,20 @@ def test_delete_removes_the_marker_before_the_shards(store, run, monkeypatch):
     assert steps_on_disk(run) == [20]
 
 
+def test_retire_keeps_the_folder_with_only_a_tombstone(store, run):
+    """Ray's run snapshot names every reported checkpoint folder; it must keep existing after pruning."""
+    make_checkpoints(store, run, committed=[10, 20])
+    store.retain(keep=1)
+    assert sorted(p.name for p in step_dir(run, 10).iterdir()) == [TOMBSTONE]
+    assert [i.step for i in store.list()] == [20]
+
+
 def test_a_crash_between_marker_and_shards_leaves_the_latest_loadable(store, run, monkeypatch):
     make_checkpoints(store, run, committed=[10, 20])
     real_rm = store.fs.rm
 
     def crashing_rm(path, recursive=False, **kwargs):
-        if recursive:
+        if str(path).endswith(".distcp"):
             raise OSError("simulated crash: the process died before the shards were removed")
         return real_rm(path, recursive=recursive, **kwargs)
 
@@ -229,19 +239,15 @@ def test_a_crash_between_marker_and_shards_leaves_the_latest_loadable(store, run
     with pytest.raises(OSError, match="simulated crash"):
         store.retain(keep=1)
 
-    # the half-deleted folder is still there, shards and all, but it is not a checkpoint any more
+    # the half-retired folder still holds its shards, but it is not a checkpoint any more
     assert (step_dir(run, 10) / "__0_0.distcp").exists()
     assert not (step_dir(run, 10) / MARKER).exists()
-    infos = {i.step: i for i in store.list()}
-    assert infos[10].committed is False
-    assert infos[20].committed is True
+    assert [i.step for i in store.list()] == [20]
     assert store.latest_committed().step == 20
     assert store.verify(10) and MARKER in store.verify(10)[0]
-
-    # after the "restart", retention finishes the job
     monkeypatch.setattr(store.fs, "rm", real_rm)
-    assert store.retain(keep=1) == [10]
-    assert steps_on_disk(run) == [20]
+    store.retire(10)  # finishing the job later leaves just the tombstone
+    assert sorted(p.name for p in step_dir(run, 10).iterdir()) == [TOMBSTONE]
 
 
 def test_delete_of_a_missing_folder_is_a_no_op(store, run):
@@ -332,3 +338,16 @@ def test_verify_reports_unreadable_metadata(store, run):
     store.commit(10, world_size=2)
     problems = store.verify(10)
     assert len(problems) == 1 and problems[0].startswith(f"{DCP_METADATA}: unreadable"), problems
+
+
+def test_remove_torn_deletes_only_failed_saves_older_than_the_newest_commit(tmp_path):
+    store = CheckpointStore(str(tmp_path / "run-torn"))
+    for step, committed in [(10, True), (20, False), (30, True), (40, False)]:
+        folder = tmp_path / "run-torn" / f"step-{step:09d}"
+        folder.mkdir(parents=True)
+        (folder / ".metadata").write_bytes(b"m")
+        (folder / "__0_0.distcp").write_bytes(b"x" * 8)
+        if committed:
+            store.commit(step, world_size=1)
+    assert store.remove_torn() == [20]
+    assert [(i.step, i.committed) for i in store.list()] == [(10, True), (30, True), (40, False)]
