@@ -153,6 +153,7 @@ def up(spot: int = 2, on_demand: int = 1, gpus_per_node: int = 0, cpus_per_node:
             return existing
         down()  # a stale state file (machine rebooted, head killed): clean its leftovers first
     plan = plan_nodes(spot, on_demand, cpus_per_node, gpus_per_node)
+    os.environ["RAY_AUTH_MODE"] = AUTH_MODE  # this process polls the stack's dashboard too
     ray_bin, moto_bin = _binary("ray", "ray[default]"), _binary("moto_server", "moto[server]")
     marker = uuid.uuid4().hex[:12]
     # Short path: Ray's unix sockets live under the temp dir and sockets paths are limited to ~107 bytes.
