@@ -351,3 +351,20 @@ def test_remove_torn_deletes_only_failed_saves_older_than_the_newest_commit(tmp_
             store.commit(step, world_size=1)
     assert store.remove_torn() == [20]
     assert [(i.step, i.committed) for i in store.list()] == [(10, True), (30, True), (40, False)]
+
+
+def test_the_verify_command_exits_1_naming_the_missing_shard(store, run, dcp_checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    folder, shards = dcp_checkpoint
+    store.commit(100, world_size=1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
+    env["ELASTIC_HOME"] = str(tmp_path / "home")  # no local stack: the run is addressed by its path
+    command = [sys.executable, "-m", "elastic", "checkpoints", "verify", str(run)]
+    ok = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert ok.returncode == 0 and "ok (" in ok.stdout, ok.stderr
+    (folder / shards[0]).unlink()
+    broken = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert broken.returncode == 1
+    assert f"{shards[0]}: missing" in broken.stderr and "Traceback" not in broken.stderr
