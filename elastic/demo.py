@@ -11,7 +11,7 @@ from rich.console import Console
 from elastic import local, submit
 from elastic.errors import JobFailed, UserError
 from elastic.spec import load_job_spec
-from elastic.storage import fsspec_filesystem
+from elastic.checkpoint import CheckpointStore
 from elastic.trainer import read_summary, run_directory
 
 TARGET_ACCURACY = 0.95
@@ -47,8 +47,8 @@ def run_demo(console: Console, spot: int, on_demand: int, stop_after: bool) -> N
     os.environ.update(state.env())  # read the bucket as the cluster does
     summary = read_summary(spec, submitted.run_name) or {}
     accuracy = float(summary.get("metrics", {}).get("accuracy", 0.0))
-    fs, path = fsspec_filesystem(run_directory(spec, submitted.run_name))
-    checkpoints = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path, refresh=True) if "/step-" in p)
+    store = CheckpointStore(run_directory(spec, submitted.run_name))
+    checkpoints = [CheckpointStore.folder_name(i.step) for i in store.list() if i.committed]
     console.print(f"  held-out accuracy {accuracy:.4f} (target {TARGET_ACCURACY}) in {summary.get('seconds')} s of training")
     console.print(f"  checkpoints in {run_directory(spec, submitted.run_name)}: {', '.join(checkpoints)}")
     console.print("  submit the same job again and it resumes from its last checkpoint: "
