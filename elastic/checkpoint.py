@@ -268,6 +268,9 @@ class ShardedCheckpointer:
         self.retries = retries
         self.backoff_seconds = backoff_seconds
         self.on_commit = on_commit
+        # Fault injection (elastic.chaos): called with (step, "write") before this rank writes its shard and
+        # (step, "commit") on rank 0 before the marker.
+        self.fault_hook: Callable[[int, str], None] = lambda step, phase: None
         self._in_flight: Future | None = None
         self._buffers: dict | None = None  # staging memory, reused between saves
         self.results: list[SaveResult] = []
@@ -339,10 +342,12 @@ class ShardedCheckpointer:
 
         try:
             writer = FsspecWriter(self.store.uri(step), overwrite=True, **self.store.writer_options())
+            self.fault_hook(step, "write")
             dcp.save(staged, storage_writer=writer, process_group=self.group)
             # dcp.save returns on rank 0 only after gathering every rank's write results and writing
             # .metadata, so every shard is durable here: commit.
             if self.rank == 0:
+                self.fault_hook(step, "commit")
                 self.store.commit(step, self.world_size)
             return True, None
         # DCP raises CheckpointException (a BaseException) alike on every rank; storage errors vary by backend.

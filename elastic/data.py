@@ -215,6 +215,12 @@ class ResumableSampler(Sampler[list[int]]):
         self.finish_epoch()
         return self.position
 
+    def batch_at(self, position: tuple[int, int]) -> list[int]:
+        """This rank's indices for the step at `position` (epoch, consumed); empty past the epoch's end."""
+        epoch, consumed = position
+        span = _step_span(consumed, self.num_samples, self.world_size, self.batch_size, self.rank, self.drop_last)
+        return [] if span is None else self._indices(epoch, span[0], span[1])
+
     def finish_epoch(self) -> None:
         """Roll over to {epoch + 1, consumed 0} if the current epoch has no step left."""
         if len(self) == 0:
@@ -293,6 +299,7 @@ class ResumableLoader:
         *,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        observer: Callable[[int, list[int]], None] | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
         size = len(dataset)  # type: ignore[arg-type]
@@ -303,6 +310,7 @@ class ResumableLoader:
             raise ValueError("ResumableLoader needs in_order=True")
         self.dataset = dataset
         self.sampler = sampler
+        self._observer = observer  # told (epoch, indices) of every batch handed out: the audit ledger
         self._dataloader = DataLoader(
             dataset,
             batch_sampler=_PendingBatches(sampler),
@@ -336,6 +344,8 @@ class ResumableLoader:
             return
         # The DataLoader snapshots the position here and may prefetch far ahead; we count on delivery.
         for batch in self._dataloader:
+            if self._observer is not None:
+                self._observer(position[0], self.sampler.batch_at(position))
             position = self.sampler.advance(position)
             yield batch
 

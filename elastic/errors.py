@@ -35,3 +35,7 @@ class JobFailed(ElasticError):
         super().__init__(f"job {job_id} ended {status}" + (f": {message}" if message else ""))
         self.job_id = job_id
         self.status = status
+
+
+class NonFiniteLoss(ElasticError):
+    """Training produced NaN/inf losses for `train.max_nonfinite_steps` optimizer steps in a row."""

@@ -30,10 +30,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from elastic.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.chaos import Chaos
 from elastic.checkpoint import CheckpointStore, SaveResult, ShardedCheckpointer
 from elastic.labels import MARKET_LABEL
 from elastic.spec import CheckpointSpec, JobSpec
+from elastic.training import (NonFiniteGuard, OptimizerStep, apply_activation_checkpointing, autocast,
+                              autocast_forward, grad_scaler)
 
 
 class Stateful(Protocol):
@@ -102,9 +105,14 @@ class Session:
                                                 on_commit=self._retain)
         self._cadence = CheckpointCadence(spec.checkpoint)
         self._chaos = Chaos(self.store, self.rank)
+        self.checkpointer.fault_hook = self._chaos.maybe_kill_in_save
+        self._ledger = SampleLedger(self.store.fs, self.store.root, self.rank, self.world_size, 0, attempt="") \
+            if audit_enabled() else NoLedger()
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._tracked: dict[str, Stateful] = {}
+        self._guard = NonFiniteGuard(spec.train.max_nonfinite_steps)
+        self._optimizer_step: OptimizerStep | None = None
         self._pending_metrics: dict | None = None
         self._last_saved_step: int | None = None
         self.extras: dict[str, Any] = {}
@@ -118,14 +126,37 @@ class Session:
         return self.rank == 0
 
     # -- setup
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler=None,
+                checkpoint_layers=None):
         """Move to this worker's device, wrap in DDP (also at world size 1, so `model.module` always works)
-        and register both for checkpointing. Build the optimizer over `model.parameters()` before calling."""
+        and register model, optimizer and LR scheduler for checkpointing. Build the optimizer over
+        `model.parameters()` before calling.
+
+        The spec's `train` section applies here: the forward runs under bf16/fp16 autocast (outputs come back
+        as float32), and with `activation_checkpointing` the `checkpoint_layers` (a tuple of module types or a
+        predicate; default: the model's direct children) recompute their activations in backward."""
+        train = self.spec.train
+        if train.activation_checkpointing:
+            count = apply_activation_checkpointing(model, checkpoint_layers)
+            self.log(f"activation checkpointing on {count} modules")
         model = model.to(self.device)
+        autocast_forward(model, train.precision, self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
         self._model, self._optimizer = wrapped, optimizer
+        if scheduler is not None:
+            self.track("lr_scheduler", scheduler)
+        if optimizer is not None:
+            scaler = grad_scaler(train.precision, self.device)
+            if train.precision == "fp16":
+                self.track("grad_scaler", scaler)
+            self.track("nonfinite_guard", self._guard)
+            self._optimizer_step = OptimizerStep(train, wrapped, optimizer, scaler, self._guard, scheduler)
         return (wrapped, optimizer) if optimizer is not None else wrapped
+
+    def autocast(self):
+        """The autocast context of `train.precision` (prepare() already applies it to the model's forward)."""
+        return autocast(self.spec.train.precision, self.device)
 
     def track(self, name: str, obj: Stateful) -> None:
         """Checkpoint and restore `obj` (LR scheduler, GradScaler, data loader...) under `name`."""
@@ -139,7 +170,9 @@ class Session:
 
         sampler = ResumableSampler(len(dataset), batch_size, self.rank, self.world_size, seed=seed,
                                    shuffle=shuffle, drop_last=drop_last)
-        loader = ResumableLoader(dataset, sampler, **dataloader_kwargs)
+        loader = ResumableLoader(dataset, sampler, observer=self._ledger.on_batch, **dataloader_kwargs)
+        if isinstance(self._ledger, SampleLedger):
+            self._ledger.num_samples = len(dataset)
         self.track("data", loader)
         return loader
 
@@ -155,6 +188,7 @@ class Session:
                     self.store.delete(info.step)
         if self._checkpoint_group is not None:
             dist.barrier(group=self._checkpoint_group)
+        self._start_ledger(latest.step if latest is not None else 0)
         if latest is None:
             return 0
         state = self._template()
@@ -166,9 +200,30 @@ class Session:
         return self.step_count
 
     # -- training loop
+    def optimize(self, loss: torch.Tensor, metrics: dict | None = None) -> bool:
+        """Backward on one micro-batch's loss; on the last of `train.grad_accumulation` micro-batches, clip,
+        step the optimizer (through the GradScaler with fp16) and the LR scheduler, zero the gradients and
+        call `step(metrics)`. A NaN/inf loss on any rank skips the step on all ranks. Returns True when an
+        optimizer step was completed (applied or skipped)."""
+        if self._optimizer_step is None:
+            raise RuntimeError("session.optimize needs an optimizer: call session.prepare(model, optimizer) first")
+        done, applied = self._optimizer_step.optimize(loss, self.step_count + 1)
+        if done:
+            if not applied:
+                self.log(f"step {self.step_count + 1}: non-finite loss, step skipped "
+                         f"({self._guard.in_a_row} in a row, {self._guard.skipped} in all)")
+            self.step(metrics)
+        return done
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because the loss was NaN/inf (restored with the checkpoint)."""
+        return self._guard.skipped
+
     def step(self, metrics: dict | None = None) -> None:
         """Call once per optimizer step, on every rank. Checkpoints (asynchronously) when due."""
         self.step_count += 1
+        self._ledger.on_step(self.step_count, metrics)
         self._chaos.maybe_kill(self.step_count)
         if self._checkpoint_due():
             self.checkpoint(metrics)
@@ -176,6 +231,7 @@ class Session:
     def checkpoint(self, metrics: dict | None = None, asynchronous: bool = True) -> None:
         """Save now (all ranks). Blocks only while state is copied to host memory."""
         self._report_finished(self.checkpointer.wait())  # at most one in flight
+        self._ledger.flush(self.step_count)  # records cover every step a commit of this save includes
         self.checkpointer.save(self.step_count, self._state(), asynchronous=asynchronous)
         self._last_saved_step = self.step_count
         self._pending_metrics = {"step": self.step_count, **(metrics or {})}
@@ -267,10 +323,19 @@ class Session:
         # rank r takes saved stream r mod W so every rank is still deterministic.
         restore_rng(rng[self.rank % len(rng)])
 
+    def _start_ledger(self, resumed_from: int) -> None:
+        """Auditing only: every rank of this attempt files its records under one id, made by rank 0."""
+        if not isinstance(self._ledger, SampleLedger):
+            return
+        attempt = [new_attempt_id()]
+        if dist.is_initialized():
+            dist.broadcast_object_list(attempt, src=0, group=self._checkpoint_group)
+        self._ledger.attempt, self._ledger.resumed_from = attempt[0], resumed_from
+
     def _retain(self, result: SaveResult) -> None:
         """After a commit (background thread, rank 0 alone): keep the newest `checkpoint.keep`."""
         if self.is_chief:
-            pruned = self.store.retain(self.spec.checkpoint.keep)
+            pruned = self.store.retain(self.spec.checkpoint.keep, self.spec.checkpoint.keep_every)
             if pruned:
                 self.log(f"retention: pruned checkpoints at steps {', '.join(map(str, pruned))}")
 

@@ -67,6 +67,10 @@ class CheckpointSpec(_Frozen):
     every_steps: Optional[int] = Field(default=None, ge=1, description="Save every N optimizer steps.")
     every_seconds: Optional[float] = Field(default=None, gt=0, description="Save every S seconds.")
     keep: int = Field(default=3, ge=1, description="Committed checkpoints to keep.")
+    keep_every: Optional[int] = Field(
+        default=None, ge=1,
+        description="Also keep every committed checkpoint whose step is a multiple of N (milestones).",
+    )
 
     @model_validator(mode="after")
     def _needs_a_cadence(self) -> "CheckpointSpec":
@@ -80,6 +84,30 @@ class FailureSpec(_Frozen):
 
     max_failures: int = Field(default=3, ge=-1, description="Restarts allowed after errors.")
     max_preemptions: int = Field(default=20, ge=-1, description="Restarts allowed after spot preemptions.")
+
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+class TrainSpec(_Frozen):
+    """How `session.optimize(loss)` turns a loss into an optimizer step."""
+
+    precision: Precision = Field(
+        default="fp32",
+        description="fp32; bf16 (autocast); or fp16 (autocast plus a GradScaler whose state is checkpointed).",
+    )
+    grad_accumulation: int = Field(
+        default=1, ge=1, description="Micro-batches per optimizer step (DDP syncs gradients on the last only)."
+    )
+    grad_clip_norm: Optional[float] = Field(default=None, gt=0, description="Clip the gradient norm to this.")
+    max_nonfinite_steps: int = Field(
+        default=5, ge=1,
+        description="A step whose loss is NaN/inf is skipped and counted; this many in a row stop the run.",
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="Recompute activations in backward instead of storing them (less memory, more compute).",
+    )
 
 
 class RuntimeEnvSpec(_Frozen):
@@ -104,6 +132,7 @@ class JobSpec(_Frozen):
     workers: WorkersSpec
     checkpoint: CheckpointSpec
     failure: FailureSpec = Field(default_factory=FailureSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
     runtime_env: RuntimeEnvSpec = Field(default_factory=RuntimeEnvSpec)
 
     def run_name(self, suffix: str | None = None) -> str:
