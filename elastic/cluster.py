@@ -110,7 +110,7 @@ def validate_file(path: str | Path) -> tuple[str, list[Problem]]:
 def validate(config: dict) -> list[Problem]:
     kind = config_kind(config)
     if kind == "kuberay":
-        return check_kuberay(config)
+        return _unique(check_kuberay(config))
     if kind == "unknown":
         return [Problem("provider.type", "no provider.type and not a RayCluster manifest; this command checks "
                                          "`ray up` configs (provider.type: aws or gcp) and KubeRay RayClusters")]
@@ -124,7 +124,7 @@ def validate(config: dict) -> list[Problem]:
 
     # Check what `ray up` will run: omitted top-level keys come from Ray's defaults for the provider.
     full = fillout_defaults(copy.deepcopy(config))
-    return check_ray_up(full, kind)
+    return _unique(check_ray_up(full, kind))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def check_ray_up(config: dict, cloud: str) -> list[Problem]:
         labels = node_type.get("labels") or {}
         problems += _check_labels(f"{base}.labels", labels, head=name == head)
         label_market = labels.get(MARKET_LABEL)
-        if label_market in MARKETS and cloud_market != label_market:
+        if label_market in MARKETS and cloud_market is not None and cloud_market != label_market:
             problems.append(Problem(f"{base}.labels.{MARKET_LABEL}",
                                     f"labeled '{label_market}' but {_market_source(cloud)} makes it {cloud_market}; "
                                     f"label it '{cloud_market}' or change the node config"))
@@ -192,6 +192,7 @@ def check_ray_up(config: dict, cloud: str) -> list[Problem]:
     problems += _check_token_auth(config, commands)
     problems += _check_dashboard(config)
     problems += _check_storage(commands)
+    problems += _check_package_pin(commands)
     if cloud == "aws":
         problems += _check_aws_ingress(config.get("provider") or {})
     return problems
@@ -229,10 +230,11 @@ def _check_labels(key: str, labels: Any, head: bool) -> list[Problem]:
     want_role = HEAD_ROLE if head else WORKER_ROLE
     role = labels.get(ROLE_LABEL)
     if role != want_role:
-        what = "the head" if head else "training workers select"
+        why = ("drivers and controllers select the head by it" if head
+               else f"training workers select {ROLE_LABEL}={WORKER_ROLE}")
         problems.append(Problem(f"{key}.{ROLE_LABEL}" if role is not None else key,
-                                f"{'missing' if role is None else repr(role) + ' is the wrong'} {ROLE_LABEL} label: "
-                                f"{what} {ROLE_LABEL}={want_role}; set labels.{ROLE_LABEL}: {want_role}"))
+                                f"{'missing ' + ROLE_LABEL + ' label' if role is None else repr(role) + ' is the wrong role'}"
+                                f" ({why}); set labels.{ROLE_LABEL}: {want_role}"))
     market = labels.get(MARKET_LABEL)
     if market is None:
         problems.append(Problem(key, f"missing {MARKET_LABEL} label; jobs select nodes by it: set labels."
@@ -274,7 +276,7 @@ def _check_watcher(commands: list[tuple[str, str]], base: str, cloud: str) -> li
     for key, cmd, match in started:
         provider = re.search(r"--provider[= ]+(\S+)", match.group("args"))
         if provider and provider.group(1).strip("'\"") not in (cloud, "auto"):
-            problems.append(Problem(key, f"the watcher is started with --provider {provider.group(1)} on an "
+            problems.append(Problem(key, f"the watcher is started with --provider {provider.group(1)} on this "
                                          f"{cloud} cluster; use --provider {cloud}"))
         if not _BACKGROUND.search(cmd[match.start():]):
             problems.append(Problem(key, "the watcher runs in the foreground and would block node setup; "
@@ -284,14 +286,16 @@ def _check_watcher(commands: list[tuple[str, str]], base: str, cloud: str) -> li
 
 def _check_token_auth(config: dict, commands: dict[str, list[tuple[str, str]]]) -> list[Problem]:
     problems = []
-    for name, cmds in commands.items():
-        modes = [(key, value) for key, cmd in cmds for var, value in _env_assignments(cmd)
-                 if var == "RAY_AUTH_MODE"]
-        if not modes:
+    modes = {name: [(key, value) for key, cmd in cmds for var, value in _env_assignments(cmd)
+                    if var == "RAY_AUTH_MODE"] for name, cmds in commands.items()}
+    fix = "export RAY_AUTH_MODE=token in setup_commands (every node) before `ray start`"
+    if not any(modes.values()):
+        problems.append(Problem("setup_commands", f"Ray token authentication is off on every node; {fix}"))
+    for name, found in modes.items():
+        if not found and any(modes.values()):
             problems.append(Problem(f"available_node_types.{name}",
-                                    "Ray token authentication is off on these nodes; export RAY_AUTH_MODE=token in "
-                                    "setup_commands (every node) before `ray start`"))
-        for key, value in modes:
+                                    f"Ray token authentication is off on these nodes; {fix}"))
+        for key, value in found:
             if value != "token":
                 problems.append(Problem(key, f"RAY_AUTH_MODE={value} turns Ray token authentication off; "
                                              "use RAY_AUTH_MODE=token"))
@@ -324,6 +328,33 @@ def _check_storage(commands: dict[str, list[tuple[str, str]]]) -> list[Problem]:
                 if _STORAGE_ENV.match(var) and (key, var) not in seen:
                     seen.add((key, var))
                     problems += _storage_problem(key, var, value)
+    return problems
+
+
+def _check_package_pin(commands: dict[str, list[tuple[str, str]]]) -> list[Problem]:
+    """Nodes must run the elastic-train (and so the Ray) version of the laptop that submits to them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        local = version("elastic-train")
+    except PackageNotFoundError:  # running from a source tree without an install: nothing to compare with
+        local = None
+    problems, seen = [], set()
+    for cmds in commands.values():
+        for key, cmd in cmds:
+            for match in re.finditer(r"\belastic-train(?![\w-])(\S*)", cmd):
+                if key in seen:
+                    continue
+                seen.add(key)
+                spec = match.group(1).strip("'\"")
+                pinned = re.fullmatch(r"==([\w.+!-]+)", spec)
+                if not pinned:
+                    problems.append(Problem(key, f"installs elastic-train{spec} unpinned; pin the version you run "
+                                                 f"here: elastic-train=={local or 'X.Y.Z'}"))
+                elif local and pinned.group(1) != local:
+                    problems.append(Problem(key, f"installs elastic-train=={pinned.group(1)} but this elastic is "
+                                                 f"{local}; the nodes and the submitting machine must run the same "
+                                                 f"version: elastic-train=={local}"))
     return problems
 
 
@@ -478,11 +509,20 @@ def _gcp_is_spot(node_config: dict) -> bool:
     return scheduling.get("provisioningModel") == "SPOT" or scheduling.get("preemptible") is True
 
 
-def _cloud_market(cloud: str, node_config: dict) -> str:
+def _cloud_market(cloud: str, node_config: dict) -> str | None:
+    """'spot' or 'on-demand' as the node config asks the cloud for; None when that field is itself invalid."""
     if cloud == "aws":
         options = node_config.get("InstanceMarketOptions")
-        return "spot" if isinstance(options, dict) and options.get("MarketType") == "spot" else "on-demand"
+        if options is None:
+            return "on-demand"
+        if not isinstance(options, dict) or options.get("MarketType") not in AWS_MARKET_TYPES:
+            return None
+        return "spot" if options["MarketType"] == "spot" else "on-demand"
     if cloud == "gcp":
+        scheduling = node_config.get("scheduling", {})
+        if not isinstance(scheduling, dict) or scheduling.get("provisioningModel", "SPOT") not in \
+                GCP_PROVISIONING_MODELS or not isinstance(scheduling.get("preemptible", False), bool):
+            return None
         return "spot" if _gcp_is_spot(node_config) else "on-demand"
     return "on-demand"
 
@@ -656,6 +696,11 @@ def _k8s_gpus(group: dict) -> float:
 
 # ---------------------------------------------------------------------------------------------------------
 # helpers
+
+
+def _unique(problems: list[Problem]) -> list[Problem]:
+    """Drop repeats (a command shared by several node types is reported once), keeping the order."""
+    return list(dict.fromkeys(problems))
 
 
 def _env_assignments(command: str) -> list[tuple[str, str]]:
