@@ -144,6 +144,7 @@ class History:
 def read_history(fs, run_root: str) -> History:
     """Replay the attempts of a run in start order into its effective history."""
     by_attempt: dict[str, list[dict]] = defaultdict(list)
+    fs.invalidate_cache(f"{run_root}/{AUDIT_FOLDER}")  # s3fs caches listings; other processes wrote these
     for path in sorted(fs.glob(f"{run_root}/{AUDIT_FOLDER}/*/rank-*.json")):
         with fs.open(path, "r") as handle:
             part = json.load(handle)

@@ -199,6 +199,20 @@ class CheckpointStore:
             problems += self._check_dcp_metadata(path, actual)
         return problems
 
+    def read_tensors(self, step: int) -> dict[str, Any]:
+        """Every tensor of a checkpoint, read back in this process (no process group): for comparisons
+        and inspection. Keys are DCP's flattened names, e.g. `model.module.head.weight`, `optim.state...`."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        metadata = FsspecReader(self.uri(step), **self.writer_options()).read_metadata()
+        state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+                 for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+        dcp.load(state, storage_reader=FsspecReader(self.uri(step), **self.writer_options()), no_dist=True)
+        return state
+
     def _check_dcp_metadata(self, path: str, actual: dict[str, int]) -> list[str]:
         """Every byte range DCP's metadata points at must lie inside an existing shard file."""
         import pickle

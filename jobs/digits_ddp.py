@@ -71,10 +71,8 @@ def train(session) -> None:
         logits = model(x.to(session.device))
         # sum / batch keeps an empty tail batch (possible at some world sizes) from producing NaN
         loss = F.cross_entropy(logits, y.to(session.device), reduction="sum") / max(len(y), 1)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        session.step({"epoch": epoch, "loss": loss.item()})
+        # backward, optimizer step (precision, accumulation, NaN guard from the spec's `train:`), checkpoints
+        session.optimize(loss, {"epoch": epoch, "loss": loss.item()})
 
     score = accuracy(session, model, test_set)
     session.log(f"epoch {epochs - 1} step {session.step_count} held-out accuracy {score:.4f}")
