@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from elastic.errors import SpecError
 
-Market = Literal["spot", "on-demand", "any"]
+Market = Literal["spot", "on-demand", "any", "spot-first"]
 
 _NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 _ENTRYPOINT_PATTERN = r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$"
@@ -37,7 +37,18 @@ class WorkersSpec(_Frozen):
     cpus: float = Field(default=1.0, gt=0, description="CPUs per worker.")
     gpus: float = Field(default=0.0, ge=0, description="GPUs per worker (0 trains on CPU with gloo).")
     market: Market = Field(
-        default="any", description="Nodes the workers may use: spot, on-demand, or any worker node."
+        default="any",
+        description="Nodes the workers may use: spot, on-demand, any worker node, or spot-first (spot when it "
+                    "can be had within spot_wait_seconds, else on-demand, moving back to spot when it returns).",
+    )
+    spot_wait_seconds: float = Field(
+        default=120.0, ge=0,
+        description="spot-first: how long to wait for spot capacity for `min` workers before running on on-demand.",
+    )
+    swap_to_spot: bool = Field(
+        default=True,
+        description="spot-first: once on on-demand, move the workers to spot at the next checkpoint when spot "
+                    "capacity returns (no step is lost: the run resumes from that checkpoint).",
     )
 
     @field_validator("max")

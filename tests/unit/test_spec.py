@@ -210,7 +210,7 @@ _BAD = [
     ),
     pytest.param(
         MINIMAL.replace("  max: 3", "  max: 3\n  colour: red"), "workers.colour", 6,
-        ["unknown field", "allowed here: min, max, cpus, gpus, market"],
+        ["unknown field", "allowed here: min, max, cpus, gpus, market, spot_wait_seconds, swap_to_spot"],
         id="unknown-nested-field-lists-allowed",
     ),
     pytest.param(
@@ -237,8 +237,18 @@ _BAD = [
     ),
     pytest.param(
         MINIMAL.replace("  max: 3", "  max: 3\n  market: spott"), "workers.market", 6,
-        ["'spot', 'on-demand' or 'any'", "(got 'spott')"],
+        ["'spot', 'on-demand', 'any' or 'spot-first'", "(got 'spott')"],
         id="workers-market-misspelled",
+    ),
+    pytest.param(
+        MINIMAL.replace("  max: 3", "  max: 3\n  market: spot-first\n  spot_wait_seconds: -5"),
+        "workers.spot_wait_seconds", 7, ["greater than or equal to 0", "(got -5)"],
+        id="workers-spot-wait-negative",
+    ),
+    pytest.param(
+        MINIMAL.replace("  max: 3", "  max: 3\n  market: spot-first\n  swap_to_spot: sometimes"),
+        "workers.swap_to_spot", 7, ["valid boolean", "(got 'sometimes')"],
+        id="workers-swap-to-spot-not-a-bool",
     ),
     pytest.param(
         MINIMAL.replace("jobs/train.py:train", "jobs/train.py"), "entrypoint", 2, ["(got 'jobs/train.py')"],

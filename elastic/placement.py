@@ -1,0 +1,331 @@
+"""Spot-first placement: run on spot nodes when they can be had, on on-demand nodes when they cannot, and move
+back to spot at a checkpoint boundary once spot capacity returns.
+
+Three layers, kept apart:
+
+- pure policy (`worker_slots`, `decide_start`, `decide_swap`): cluster nodes + the workers spec in, a
+  `Decision` with its reason out; the driver logs every decision;
+- the control objects in the run folder (`PlacementControl`): the driver asks the current placement to end,
+  the session's rank 0 acknowledges with the step of the checkpoint it ended at;
+- the thin Ray edge (`observe_nodes`, `hint_spot_demand`, `wait_for_spot`, `SwapWatcher`): polls capacity and
+  carries decisions out.
+
+Why a placement ends by the training function *returning*: when every worker's function returns, Ray Train's
+controller moves to FINISHED and `fit()` returns a Result. No error is raised, so neither `max_failures` nor
+`max_preemption_failures` is spent, and nothing is killed mid-save. (Aborting the controller instead exits the
+controller actor, so `fit()` raises; raising in the workers is a worker-group error that FailureConfig retries on
+the *same* placement.) The driver then calls `fit()` again with the spot selector under the same run name: Ray
+resumes the run, and `session.restore()` loads the checkpoint the placement ended at, so no step is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from elastic.labels import MARKET_LABEL, ROLE_LABEL, WORKER_ROLE, worker_selector
+from elastic.spec import WorkersSpec
+
+SPOT, ON_DEMAND = "spot", "on-demand"
+REQUEST_FILE = "elastic-placement-request.json"
+ENDED_FILE = "elastic-placement-ended.json"
+POLL_SECONDS_VARIABLE = "ELASTIC_PLACEMENT_POLL_SECONDS"
+DEFAULT_POLL_SECONDS = 5.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure policy
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What the policy needs to know of one live node."""
+
+    node_id: str
+    labels: dict[str, str]
+    available: dict[str, float]  # free resources now
+    draining: bool = False  # a drained node (e.g. a spot notice) is leaving: its capacity does not count
+
+    @property
+    def market(self) -> str | None:
+        return self.labels.get(MARKET_LABEL)
+
+    @property
+    def is_worker(self) -> bool:
+        return self.labels.get(ROLE_LABEL) == WORKER_ROLE
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A placement decision and why. action: spot | on-demand | wait (start); swap | stay (while on on-demand)."""
+
+    action: str
+    reason: str
+    spot_slots: int = 0
+
+
+def worker_resources(workers: WorkersSpec) -> dict[str, float]:
+    resources = {"CPU": workers.cpus}
+    if workers.gpus:
+        resources["GPU"] = workers.gpus
+    return resources
+
+
+def worker_slots(nodes: list[NodeView], workers: WorkersSpec, market: str) -> int:
+    """How many more workers of this shape fit, right now, on the live worker nodes of `market`."""
+    need = worker_resources(workers)
+    total = 0
+    for node in nodes:
+        if node.draining or not node.is_worker or node.market != market:
+            continue
+        # A little slack: Ray reports fractional resources as floats (0.1 * 10 is not 1.0).
+        total += min(math.floor(node.available.get(name, 0.0) / amount + 1e-9) for name, amount in need.items())
+    return total
+
+
+def decide_start(workers: WorkersSpec, nodes: list[NodeView], waited_seconds: float) -> Decision:
+    """spot-first at start: spot once it can hold workers.min; on-demand once spot_wait_seconds have passed."""
+    slots = worker_slots(nodes, workers, SPOT)
+    if slots >= workers.min:
+        return Decision(SPOT, f"spot capacity for {workers.min} worker(s) is free ({slots} slot(s))", slots)
+    if waited_seconds >= workers.spot_wait_seconds:
+        return Decision(ON_DEMAND, f"spot capacity was not granted within {workers.spot_wait_seconds:g} s "
+                                   f"({slots} of {workers.min} spot worker slot(s) free); falling back to on-demand",
+                        slots)
+    return Decision("wait", f"waiting for spot capacity: {slots} of {workers.min} spot worker slot(s) free "
+                            f"after {waited_seconds:.0f} of {workers.spot_wait_seconds:g} s", slots)
+
+
+def decide_swap(workers: WorkersSpec, nodes: list[NodeView]) -> Decision:
+    """While on on-demand: swap to spot once spot can hold workers.min (the same bar as at start)."""
+    slots = worker_slots(nodes, workers, SPOT)
+    if not workers.swap_to_spot:
+        return Decision("stay", "swap_to_spot is off", slots)
+    if slots >= workers.min:
+        return Decision("swap", f"spot capacity for {workers.min} worker(s) is back ({slots} slot(s) free); "
+                                "swapping at the next checkpoint", slots)
+    return Decision("stay", f"{slots} of {workers.min} spot worker slot(s) free", slots)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Control objects in the run folder
+
+
+def new_placement_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+class PlacementControl:
+    """Two small JSON objects in the run folder: the driver's request that placement P end at its next
+    checkpoint, and the session's acknowledgement that P ended at step S. Ids make stale objects harmless."""
+
+    def __init__(self, run_uri: str):
+        from elastic.storage import fsspec_filesystem
+
+        self.fs, self.root = fsspec_filesystem(run_uri.rstrip("/"))
+
+    def request_end(self, placement_id: str, to_market: str, reason: str) -> None:
+        self._write(REQUEST_FILE, {"placement": placement_id, "to": to_market, "reason": reason,
+                                   "time": time.time()})
+
+    def cancel_request(self) -> None:
+        self._remove(REQUEST_FILE)
+
+    def end_requested(self, placement_id: str) -> bool:
+        request = self._read(REQUEST_FILE)
+        return request is not None and request.get("placement") == placement_id
+
+    def acknowledge(self, placement_id: str, step: int) -> None:
+        self._write(ENDED_FILE, {"placement": placement_id, "step": step, "time": time.time()})
+
+    def ended(self, placement_id: str) -> dict | None:
+        """The acknowledgement of placement `placement_id`, if it ended on request."""
+        ended = self._read(ENDED_FILE)
+        return ended if ended is not None and ended.get("placement") == placement_id else None
+
+    def clear(self) -> None:
+        self._remove(REQUEST_FILE)
+        self._remove(ENDED_FILE)
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _write(self, name: str, data: dict) -> None:
+        self.fs.makedirs(self.root, exist_ok=True)
+        with self.fs.open(self._path(name), "w") as handle:
+            json.dump(data, handle)
+
+    def _read(self, name: str) -> dict | None:
+        # Written by another process since this one last looked: never trust s3fs's listing cache.
+        self.fs.invalidate_cache(self._path(name))
+        try:
+            with self.fs.open(self._path(name), "r") as handle:
+                return json.load(handle)
+        except FileNotFoundError:
+            return None
+
+    def _remove(self, name: str) -> None:
+        self.fs.invalidate_cache(self._path(name))
+        try:
+            self.fs.rm(self._path(name))
+        except FileNotFoundError:
+            pass
+
+
+class PlacementEnded(BaseException):
+    """Raised on every rank at the checkpoint a placement ends at; the worker entry returns on it, so Ray Train
+    sees the run finish cleanly. A BaseException, like SystemExit: `except Exception` in user code must not
+    swallow it."""
+
+    def __init__(self, step: int):
+        super().__init__(f"placement ended at checkpoint step {step}")
+        self.step = step
+
+
+class NoPlacementWatch:
+    """Null object: this placement is never asked to end (not spot-first, already on spot, or swap off)."""
+
+    def end_requested(self) -> bool:
+        return False
+
+    def acknowledge(self, step: int) -> None:
+        pass
+
+
+class PlacementWatch:
+    """Session side: rank 0 reads the request object, every rank gets the same answer (a broadcast on the
+    default process group, from the training thread, so it never races the checkpoint group's collectives)."""
+
+    def __init__(self, control: PlacementControl, placement_id: str, rank: int):
+        self.control, self.placement_id, self.rank = control, placement_id, rank
+
+    def end_requested(self) -> bool:
+        import torch.distributed as dist
+
+        answer = [self.control.end_requested(self.placement_id) if self.rank == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(answer, src=0)
+        return bool(answer[0])
+
+    def acknowledge(self, step: int) -> None:
+        if self.rank == 0:
+            self.control.acknowledge(self.placement_id, step)
+
+
+def placement_watch(payload: dict | None, run_uri: str, rank: int):
+    """The session's watch for the placement the driver described in the train loop config (or a null one)."""
+    if not payload or not payload.get("swappable"):
+        return NoPlacementWatch()
+    return PlacementWatch(PlacementControl(run_uri), payload["id"], rank)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The Ray edge: observe capacity, hint the autoscaler, wait, watch
+
+
+def observe_nodes() -> list[NodeView]:
+    """Live nodes with their labels and free resources (from the connected driver)."""
+    import ray
+
+    # ray._private.state is what Ray Train itself uses for drains (train/v2/_internal/execution/preemption.py);
+    # no public per-node "available resources" API exists in 2.60.
+    available = ray._private.state.available_resources_per_node()
+    try:
+        draining = set(ray._private.state.state.get_draining_nodes() or {})
+    except Exception:  # an older GCS without the drain API: treat no node as draining
+        draining = set()
+    views = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        node_id = node["NodeID"]
+        views.append(NodeView(node_id=node_id, labels=dict(node.get("Labels") or {}),
+                              available=dict(available.get(node_id, {})), draining=node_id in draining))
+    return views
+
+
+def hint_spot_demand(workers: WorkersSpec, on: bool = True) -> None:
+    """Ask the autoscaler for spot nodes for workers.min workers (or withdraw the ask). On an autoscaling cloud
+    cluster spot nodes exist only when something asks for them; with no autoscaler (the local stack) this is
+    a no-op. request_resources is one standing, cluster-wide hint, replaced by the next call."""
+    from ray.autoscaler.sdk import request_resources
+
+    bundles = [worker_resources(workers)] * workers.min if on else []
+    selectors = [worker_selector(SPOT)] * workers.min if on else None
+    try:
+        request_resources(bundles=bundles, bundle_label_selectors=selectors)
+    except Exception as err:  # a hint only: a cluster that cannot take it still runs the job
+        print(f"[elastic] placement: could not ask the autoscaler for spot nodes ({err})", flush=True)
+
+
+def log_decision(decision: Decision) -> None:
+    print(f"[elastic] placement: {decision.action}: {decision.reason}", flush=True)
+
+
+def wait_for_spot(workers: WorkersSpec, observe: Callable[[], list[NodeView]] = observe_nodes,
+                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                  poll_seconds: float = DEFAULT_POLL_SECONDS) -> Decision:
+    """Poll until decide_start says spot or on-demand; log the first wait and the outcome."""
+    started = clock()
+    announced = False
+    while True:
+        decision = decide_start(workers, observe(), clock() - started)
+        if decision.action != "wait":
+            log_decision(decision)
+            return decision
+        if not announced:
+            log_decision(decision)
+            announced = True
+        remaining = workers.spot_wait_seconds - (clock() - started)
+        sleep(max(0.05, min(poll_seconds, remaining)))
+
+
+@dataclass
+class SwapWatcher:
+    """Background thread of the driver while a placement runs on on-demand: when decide_swap says so, write the
+    request; if spot capacity goes away before the session acknowledged, withdraw it."""
+
+    workers: WorkersSpec
+    control: PlacementControl
+    placement_id: str
+    observe: Callable[[], list[NodeView]] = observe_nodes
+    poll_seconds: float = DEFAULT_POLL_SECONDS
+    requested: bool = False
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> "SwapWatcher":
+        self._thread = threading.Thread(target=self._run, name="elastic-swap-watcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def poll_once(self) -> Decision:
+        decision = decide_swap(self.workers, self.observe())
+        if decision.action == "swap" and not self.requested:
+            self.control.request_end(self.placement_id, SPOT, decision.reason)
+            self.requested = True
+            log_decision(decision)
+        elif decision.action == "stay" and self.requested and self.control.ended(self.placement_id) is None:
+            self.control.cancel_request()
+            self.requested = False
+            log_decision(Decision("stay", f"spot capacity went away before the checkpoint ({decision.reason}); "
+                                          "request withdrawn", decision.spot_slots))
+        return decision
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception as err:  # loop boundary: a failed poll (GCS hiccup, S3 error) retries next time
+                print(f"[elastic] placement: capacity poll failed ({type(err).__name__}: {err})", flush=True)
+            self._stop.wait(self.poll_seconds)

@@ -1,0 +1,189 @@
+"""Unit tests for elastic/placement.py: the pure spot-first policy, the start-up wait with a fake clock, the swap
+watcher against a fake cluster, and the control objects in a run folder (local filesystem)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.placement import (NodeView, PlacementControl, PlacementWatch, SwapWatcher, decide_start, decide_swap,
+                               placement_watch, NoPlacementWatch, wait_for_spot, worker_slots)
+from elastic.spec import WorkersSpec
+
+
+def node(market: str, cpus: float = 1.0, gpus: float = 0.0, role: str = "worker", draining: bool = False,
+         node_id: str = "n") -> NodeView:
+    available = {"CPU": cpus}
+    if gpus:
+        available["GPU"] = gpus
+    return NodeView(node_id=node_id, labels={"market": market, "elastic-role": role}, available=available,
+                    draining=draining)
+
+
+def workers(**fields) -> WorkersSpec:
+    return WorkersSpec(**{"min": 2, "max": 2, "cpus": 1, "market": "spot-first", "spot_wait_seconds": 60, **fields})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# worker_slots
+
+
+def test_slots_count_only_free_worker_nodes_of_the_market():
+    nodes = [node("spot", 2.0), node("spot", 0.5), node("on-demand", 4.0), node("spot", 8.0, role="head")]
+    assert worker_slots(nodes, workers(), "spot") == 2
+    assert worker_slots(nodes, workers(), "on-demand") == 4
+
+
+def test_slots_are_limited_by_the_scarcest_resource():
+    nodes = [node("spot", cpus=8.0, gpus=1.0), node("spot", cpus=1.0, gpus=4.0)]
+    assert worker_slots(nodes, workers(cpus=1, gpus=1), "spot") == 2  # 1 GPU-bound + 1 CPU-bound
+    assert worker_slots(nodes, workers(cpus=0.5, gpus=0.5), "spot") == 4  # 2 + 2
+
+
+def test_fractional_resources_do_not_lose_a_slot_to_float_error():
+    assert worker_slots([node("spot", cpus=0.1 * 3)], workers(cpus=0.1), "spot") == 3
+
+
+def test_draining_nodes_do_not_count():
+    nodes = [node("spot", 1.0), node("spot", 1.0, draining=True)]
+    assert worker_slots(nodes, workers(), "spot") == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decide_start / decide_swap
+
+
+def test_start_on_spot_when_spot_can_hold_min_workers():
+    decision = decide_start(workers(min=2, max=4), [node("spot"), node("spot"), node("on-demand")], 0.0)
+    assert decision.action == "spot" and decision.spot_slots == 2
+    assert "spot capacity for 2 worker(s) is free" in decision.reason
+
+
+def test_start_waits_for_spot_before_the_timeout():
+    decision = decide_start(workers(), [node("spot"), node("on-demand"), node("on-demand")], 59.0)
+    assert decision.action == "wait"
+    assert "1 of 2 spot worker slot(s) free after 59 of 60 s" in decision.reason
+
+
+def test_start_falls_back_to_on_demand_after_the_timeout_with_the_reason():
+    decision = decide_start(workers(), [node("on-demand"), node("on-demand")], 60.0)
+    assert decision.action == "on-demand"
+    assert decision.reason == ("spot capacity was not granted within 60 s (0 of 2 spot worker slot(s) free); "
+                               "falling back to on-demand")
+
+
+def test_zero_wait_falls_back_at_once():
+    assert decide_start(workers(spot_wait_seconds=0), [], 0.0).action == "on-demand"
+
+
+def test_swap_when_spot_capacity_returns():
+    assert decide_swap(workers(), [node("spot")]).action == "stay"
+    decision = decide_swap(workers(), [node("spot"), node("spot", draining=True), node("spot")])
+    assert decision.action == "swap" and "swapping at the next checkpoint" in decision.reason
+
+
+def test_no_swap_when_swap_to_spot_is_off():
+    decision = decide_swap(workers(swap_to_spot=False), [node("spot", 8.0)])
+    assert decision.action == "stay" and decision.reason == "swap_to_spot is off"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# wait_for_spot: the thin loop, with a fake clock and a fake cluster
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_wait_for_spot_takes_spot_when_it_arrives_in_time(capsys):
+    clock = FakeClock()
+    arrivals = {20.0: [node("spot")], 30.0: [node("spot"), node("spot")]}
+
+    def observe():
+        return max(((t, n) for t, n in arrivals.items() if t <= clock.now), default=(0, []))[1]
+
+    decision = wait_for_spot(workers(), observe=observe, clock=clock, sleep=clock.sleep, poll_seconds=10)
+    assert decision.action == "spot" and clock.now == 30.0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("[elastic] placement: wait: waiting for spot capacity: 0 of 2")
+    assert out[-1].startswith("[elastic] placement: spot: ")
+    assert len(out) == 2  # the wait is announced once, not on every poll
+
+
+def test_wait_for_spot_falls_back_exactly_at_the_timeout():
+    clock = FakeClock()
+    decision = wait_for_spot(workers(spot_wait_seconds=25), observe=lambda: [node("on-demand")] * 2,
+                             clock=clock, sleep=clock.sleep, poll_seconds=10)
+    assert decision.action == "on-demand"
+    assert clock.sleeps == [10, 10, 5] and clock.now == 25.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Control objects and the driver's watcher (a run folder on the local filesystem)
+
+
+def test_control_objects_round_trip_and_ids_make_stale_ones_harmless(tmp_path):
+    control = PlacementControl(str(tmp_path / "run"))
+    assert not control.end_requested("p1") and control.ended("p1") is None
+    control.request_end("p1", "spot", "because")
+    assert control.end_requested("p1") and not control.end_requested("p2")
+    control.acknowledge("p1", 40)
+    assert control.ended("p1")["step"] == 40 and control.ended("p2") is None
+    control.clear()
+    assert not control.end_requested("p1") and control.ended("p1") is None
+    control.cancel_request()  # nothing to cancel: no error
+
+
+def test_session_watch_is_a_null_object_unless_the_placement_is_swappable(tmp_path):
+    assert isinstance(placement_watch(None, str(tmp_path), 0), NoPlacementWatch)
+    assert isinstance(placement_watch({"id": "p", "market": "spot", "swappable": False}, str(tmp_path), 0),
+                      NoPlacementWatch)
+    watch = placement_watch({"id": "p", "market": "on-demand", "swappable": True}, str(tmp_path), 0)
+    assert isinstance(watch, PlacementWatch) and not watch.end_requested()
+    PlacementControl(str(tmp_path)).request_end("p", "spot", "test")
+    assert watch.end_requested()  # no process group: rank 0's answer alone
+    watch.acknowledge(12)
+    assert PlacementControl(str(tmp_path)).ended("p")["step"] == 12
+    placement_watch({"id": "p", "swappable": True}, str(tmp_path), 1).acknowledge(99)  # only rank 0 writes
+    assert PlacementControl(str(tmp_path)).ended("p")["step"] == 12
+
+
+def test_swap_watcher_requests_once_and_withdraws_if_spot_goes_away(tmp_path, capsys):
+    control = PlacementControl(str(tmp_path))
+    cluster = {"nodes": [node("on-demand"), node("on-demand")]}
+    watcher = SwapWatcher(workers(), control, "p1", observe=lambda: cluster["nodes"])
+
+    assert watcher.poll_once().action == "stay" and not control.end_requested("p1")
+    cluster["nodes"] = cluster["nodes"] + [node("spot"), node("spot")]
+    assert watcher.poll_once().action == "swap" and control.end_requested("p1")
+    watcher.poll_once()  # still swap: no second request, no second log line
+    cluster["nodes"] = cluster["nodes"][:2]
+    watcher.poll_once()
+    assert not control.end_requested("p1") and not watcher.requested
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[elastic] placement:")]
+    assert len(lines) == 2 and "swap:" in lines[0] and "request withdrawn" in lines[1]
+
+
+def test_swap_watcher_keeps_a_request_the_session_already_acknowledged(tmp_path):
+    control = PlacementControl(str(tmp_path))
+    cluster = {"nodes": [node("spot"), node("spot")]}
+    watcher = SwapWatcher(workers(), control, "p1", observe=lambda: cluster["nodes"])
+    watcher.poll_once()
+    control.acknowledge("p1", 60)
+    cluster["nodes"] = []  # the new placement took the spot nodes
+    watcher.poll_once()
+    assert control.end_requested("p1") and control.ended("p1")["step"] == 60
+
+
+@pytest.mark.parametrize("market", ["spot", "on-demand", "any"])
+def test_other_markets_keep_their_defaults(market):
+    spec = WorkersSpec(min=1, market=market)
+    assert spec.spot_wait_seconds == 120 and spec.swap_to_spot is True
