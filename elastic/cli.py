@@ -444,6 +444,34 @@ def cluster_validate(config_file: Path, as_json: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# local add-node: capacity that arrives later (spot-first falls back to on-demand, then swaps back to spot)
+
+
+@local_group.command("add-node")
+@click.option("--market", required=True, type=click.Choice(["spot", "on-demand"]), help="The new node's market.")
+@click.option("--cpus", type=click.IntRange(1), help="CPUs (default: as the stack's other worker nodes).")
+@click.option("--gpus", type=click.IntRange(0), help="Logical GPUs (default: as the stack's other worker nodes).")
+@click.option("--json", "as_json", is_flag=True, help="Print the new node as JSON.")
+def local_add_node(market: str, cpus: int | None, gpus: int | None, as_json: bool) -> None:
+    """Start one more labeled worker node on the running local stack; `local down` stops it with the rest.
+
+    \b
+    Example (spot capacity that is withheld, then returns):
+      elastic local up --spot 0 --on-demand 2
+      elastic submit jobs/digits_ddp.yaml --set workers.market=spot-first --set workers.spot_wait_seconds=10
+      elastic local add-node --market spot --cpus 2
+    """
+    from elastic import local
+
+    node = local.add_node(market, cpus=cpus, gpus=gpus)
+    if as_json:
+        _print_json(node)
+    else:
+        click.echo(f"added {node['name']} ({node['market']}, {node['cpus']} CPUs, {node['gpus']} GPUs): "
+                   f"node {node['node_id']}")
+
+
+# ---------------------------------------------------------------------------------------------------------
 
 
 def main() -> None:

@@ -21,3 +21,14 @@ def worker_selector(market: str) -> dict[str, str]:
     if market in MARKETS:
         selector[MARKET_LABEL] = market
     return selector
+
+
+def driver_selector() -> dict[str, str]:
+    """Label selector for job drivers (and so Train and Tune controllers, which Ray places on the driver's
+    node): the head, which the cluster configs and the local stack run on on-demand capacity."""
+    return {ROLE_LABEL: HEAD_ROLE, MARKET_LABEL: "on-demand"}
+
+
+def matches(labels: dict[str, str], selector: dict[str, str]) -> bool:
+    """Equality selectors only (all this package uses)."""
+    return all(labels.get(key) == value for key, value in selector.items())

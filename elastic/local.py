@@ -279,6 +279,41 @@ def _create_bucket(state: LocalState) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# add-node
+
+
+def add_node(market: str, cpus: int | None = None, gpus: int | None = None, timeout: float = 120.0) -> dict:
+    """Start one more worker node of `market` on the running stack and record it, so `down` stops it too.
+
+    Withholding spot nodes at `up` (`--spot 0`) and adding them later is how spot capacity "returns" here.
+    cpus/gpus default to those of the stack's other worker nodes (1 and 0 without any)."""
+    from elastic.labels import MARKETS
+
+    if market not in MARKETS:
+        raise ClusterError(f"--market {market!r}: use one of {', '.join(MARKETS)}")
+    state = running_state()
+    if state is None:
+        raise ClusterError("no local stack running; start one with `elastic local up`")
+    others = [n for n in state.nodes if n["role"] == WORKER_ROLE]
+    cpus = cpus if cpus is not None else (others[0]["cpus"] if others else 1)
+    gpus = gpus if gpus is not None else (others[0]["gpus"] if others else 0)
+    if gpus > 0 and not state.logical_gpus and not _cuda_available():
+        raise ClusterError("this stack declares no GPUs; start it with --gpus-per-node to add nodes with GPUs")
+    taken = {n["name"] for n in state.nodes} | {r["role"] for r in state.roots}
+    index = next(i for i in range(len(taken) + 1) if f"{market}-{i}" not in taken)
+    node = NodePlan(f"{market}-{index}", market, WORKER_ROLE, cpus, gpus)
+    os.environ["RAY_AUTH_MODE"] = AUTH_MODE  # this process polls the stack's dashboard
+    env = {**state.env(), "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    launched = _start_node(_binary("ray", "ray[default]"), node, state, env, home_dir() / "local" / "logs")
+    state.roots.append(launched.to_dict())
+    _save_state(state)  # first, so `down` stops it even if it never joins
+    joined = _wait_for_nodes(state, [node], timeout)[0]
+    state.nodes.append(joined)
+    _save_state(state)
+    return joined
+
+
+# ---------------------------------------------------------------------------------------------------------
 # down / status
 
 

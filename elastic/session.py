@@ -34,6 +34,7 @@ from elastic.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.chaos import Chaos
 from elastic.checkpoint import CheckpointStore, SaveResult, ShardedCheckpointer
 from elastic.labels import MARKET_LABEL
+from elastic.placement import PlacementEnded, placement_watch
 from elastic.spec import CheckpointSpec, JobSpec
 from elastic.training import (NonFiniteGuard, OptimizerStep, apply_activation_checkpointing, autocast,
                               autocast_forward, grad_scaler)
@@ -85,7 +86,7 @@ def restore_rng(state: dict) -> None:
 class Session:
     """Per-worker view of the run. Created by the trainer on every worker; never by user code."""
 
-    def __init__(self, spec: JobSpec, run_name: str):
+    def __init__(self, spec: JobSpec, run_name: str, placement: dict | None = None):
         import ray.train
 
         self.spec = spec
@@ -106,6 +107,8 @@ class Session:
         self._cadence = CheckpointCadence(spec.checkpoint)
         self._chaos = Chaos(self.store, self.rank)
         self.checkpointer.fault_hook = self._chaos.maybe_kill_in_save
+        # spot-first on on-demand: the driver may ask this placement to end at a checkpoint (else a null object)
+        self._placement = placement_watch(placement, self.store.run_uri, self.rank)
         self._ledger = SampleLedger(self.store.fs, self.store.root, self.rank, self.world_size, 0, attempt="") \
             if audit_enabled() else NoLedger()
         self._model: torch.nn.Module | None = None
@@ -227,6 +230,8 @@ class Session:
         self._chaos.maybe_kill(self.step_count)
         if self._checkpoint_due():
             self.checkpoint(metrics)
+            if self._placement.end_requested():
+                self._end_placement()
 
     def checkpoint(self, metrics: dict | None = None, asynchronous: bool = True) -> None:
         """Save now (all ranks). Blocks only while state is copied to host memory."""
@@ -331,6 +336,17 @@ class Session:
         if dist.is_initialized():
             dist.broadcast_object_list(attempt, src=0, group=self._checkpoint_group)
         self._ledger.attempt, self._ledger.resumed_from = attempt[0], resumed_from
+
+    def _end_placement(self) -> None:
+        """Wait for the checkpoint just started, report it, and end this placement on every rank (the driver
+        resumes the run from it elsewhere). A save that failed keeps the placement: the next checkpoint tries."""
+        result = self.checkpointer.wait()
+        self._report_finished(result)
+        if result is None or not result.committed:
+            return
+        self._placement.acknowledge(result.step)
+        self.log(f"placement ends at the checkpoint of step {result.step} (moving to spot)")
+        raise PlacementEnded(result.step)
 
     def _retain(self, result: SaveResult) -> None:
         """After a commit (background thread, rank 0 alone): keep the newest `checkpoint.keep`."""

@@ -221,7 +221,7 @@ def _override_value(text: str) -> Any:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
-    if isinstance(value, str):
+    if isinstance(value, str) and not text.strip().startswith(("'", '"')):  # '1' quoted stays a string
         try:
             return float(value)  # YAML 1.1 reads 1e-3 as a string; on a command line it means a number
         except ValueError:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic import local
+from elastic import labels, local
 from elastic.errors import ClusterError, UserError
 from elastic.spec import JobSpec
 from elastic.storage import check_storage
@@ -98,8 +98,25 @@ def submit(spec: JobSpec, target: Target, suffix: str | None = None, working_dir
         submission_id=job_id,
         runtime_env=runtime_env,
         metadata={RUN_METADATA_KEY: run_name, "elastic_job": spec.name},
+        entrypoint_label_selector=driver_placement(target),
     )
     return Submitted(job_id=job_id, run_name=run_name, address=target.address)
+
+
+def driver_placement(target: Target) -> dict[str, str] | None:
+    """Where the job driver runs: never on spot. With no resources or selector, Ray Jobs already pins drivers to
+    the head, unless the cluster sets RAY_JOB_ALLOW_DRIVER_ON_WORKER_NODES=1; an explicit selector for the
+    labeled on-demand head holds either way. The driver's node also hosts the Ray Train controller (Ray attaches
+    it to the driver's node) and a Tune controller (it runs in the driver). A cluster without the labels keeps
+    Ray's default: a selector nothing matches would leave the job pending forever."""
+    selector = labels.driver_selector()
+    try:
+        from ray.util.state import list_nodes
+
+        nodes = list_nodes(address=target.address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+    except Exception:  # the state API is unavailable (minimal dashboard, old Ray): leave Ray's default
+        return None
+    return selector if any(labels.matches(node.labels or {}, selector) for node in nodes) else None
 
 
 def follow(target: Target, job_id: str, out=sys.stdout) -> str:

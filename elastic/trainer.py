@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,7 +29,8 @@ SUMMARY_FILE = "elastic-summary.json"
 # Pure translations from spec to Ray config
 
 
-def scaling_config(workers: WorkersSpec):
+def scaling_config(workers: WorkersSpec, market: str | None = None):
+    """`market` overrides workers.market: spot-first runs each placement on spot or on-demand."""
     from ray.train import ScalingConfig
 
     resources = {"CPU": workers.cpus}
@@ -40,7 +41,7 @@ def scaling_config(workers: WorkersSpec):
         num_workers=num_workers,
         use_gpu=workers.gpus > 0,
         resources_per_worker=resources,
-        label_selector=worker_selector(workers.market),
+        label_selector=worker_selector(market or workers.market),
     )
 
 
@@ -60,7 +61,8 @@ def run_directory(spec: JobSpec, run_name: str) -> str:
     return parse_uri(spec.checkpoint.uri).child(run_name).uri
 
 
-def build_trainer(spec: JobSpec, run_name: str):
+def build_trainer(spec: JobSpec, run_name: str, placement: Placement | None = None):
+    """`placement` (spot-first only) pins this fit() to one market and tells the sessions how to end it."""
     from ray.train import CheckpointConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -68,9 +70,10 @@ def build_trainer(spec: JobSpec, run_name: str):
     logical_gpus = os.environ.get("ELASTIC_LOGICAL_GPUS") == "1"
     return TorchTrainer(
         _worker_main,
-        train_loop_config={"spec": spec.model_dump(mode="json"), "run_name": run_name},
+        train_loop_config={"spec": spec.model_dump(mode="json"), "run_name": run_name,
+                           "placement": asdict(placement) if placement else None},
         torch_config=TorchConfig(backend=torch_backend(spec.workers, logical_gpus)),
-        scaling_config=scaling_config(spec.workers),
+        scaling_config=scaling_config(spec.workers, placement.market if placement else None),
         run_config=RunConfig(
             name=run_name,
             storage_path=storage_path,
@@ -88,6 +91,17 @@ def build_trainer(spec: JobSpec, run_name: str):
 
 
 @dataclass(frozen=True)
+class Placement:
+    """One fit() of a spot-first run: the market its workers select, and whether the driver may end it at a
+    checkpoint to move to spot (read by the sessions through `train_loop_config`)."""
+
+    id: str
+    market: str
+    swappable: bool
+    reason: str
+
+
+@dataclass(frozen=True)
 class RunSummary:
     run_name: str
     run_uri: str
@@ -96,6 +110,8 @@ class RunSummary:
     checkpoint: str | None
     error: str | None
     seconds: float
+    # spot-first: every placement in order, e.g. [{"market": "on-demand", "ended_at_step": 60, ...}, ...]
+    placements: list = field(default_factory=list)
 
 
 def run_job(spec: JobSpec, run_name: str) -> RunSummary:
@@ -115,12 +131,15 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
           + (f"..{workers.max_workers}" if workers.elastic else "")
           + f" workers on {workers.market} nodes, checkpoints in {run_uri}", flush=True)
     started = time.monotonic()
-    trainer = build_trainer(spec, run_name)
     error: str | None = None
     metrics: dict = {}
     checkpoint: str | None = None
+    placements: list[dict] = []
     try:
-        result = trainer.fit()
+        if workers.market == "spot-first":
+            result = _fit_spot_first(spec, run_name, run_uri, placements)
+        else:
+            result = build_trainer(spec, run_name).fit()
         metrics = dict(result.metrics or {})
         checkpoint = _checkpoint_uri(spec, result.checkpoint)
     except Exception as err:  # the run's own failure: reported in the summary and the job status
@@ -133,12 +152,54 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
         checkpoint=checkpoint,
         error=error,
         seconds=round(time.monotonic() - started, 1),
+        placements=placements,
     )
     _write_summary(spec, run_name, summary)
     print(f"[elastic] summary {json.dumps(asdict(summary), default=str)}", flush=True)
     if error:
         raise JobFailed(run_name, "FAILED", error)
     return summary
+
+
+def _fit_spot_first(spec: JobSpec, run_name: str, run_uri: str, placements: list[dict]):
+    """Spot-first: wait up to spot_wait_seconds for spot capacity, else run on on-demand; while on on-demand (and
+    swap_to_spot), a watcher asks the placement to end at its next checkpoint once spot capacity is back, and
+    the run continues on spot from that checkpoint. Each step of this is logged with its reason."""
+    from elastic import placement as policy
+
+    workers = spec.workers
+    poll = float(os.environ.get(policy.POLL_SECONDS_VARIABLE) or policy.DEFAULT_POLL_SECONDS)
+    control = policy.PlacementControl(run_uri)
+    control.clear()  # leftovers of an earlier job of this run name
+    policy.hint_spot_demand(workers)
+    decision = policy.wait_for_spot(workers, poll_seconds=poll)
+    try:
+        while True:
+            current = Placement(id=policy.new_placement_id(), market=decision.action,
+                                swappable=decision.action == policy.ON_DEMAND and workers.swap_to_spot,
+                                reason=decision.reason)
+            if not current.swappable:
+                policy.hint_spot_demand(workers, on=False)  # on spot now, or staying on on-demand
+            record = {"market": current.market, "reason": current.reason, "started": time.time()}
+            placements.append(record)
+            print(f"[elastic] placement {current.id}: workers on {current.market} nodes", flush=True)
+            watcher = policy.SwapWatcher(workers, control, current.id, poll_seconds=poll).start() \
+                if current.swappable else None
+            try:
+                result = build_trainer(spec, run_name, current).fit()
+            finally:
+                if watcher is not None:
+                    watcher.stop()
+            ended = control.ended(current.id)
+            control.clear()
+            if ended is None:
+                return result  # the run finished (or a swap was asked for too late to matter)
+            record["ended_at_step"] = ended["step"]
+            print(f"[elastic] placement {current.id}: on-demand workers ended at the checkpoint of step "
+                  f"{ended['step']}; resuming from it on spot", flush=True)
+            decision = policy.Decision(policy.SPOT, f"swapped from on-demand at step {ended['step']}")
+    finally:
+        policy.hint_spot_demand(workers, on=False)
 
 
 def read_summary(spec: JobSpec, run_name: str) -> dict | None:
@@ -176,9 +237,16 @@ def _worker_main(payload: dict) -> None:
     """Runs on every training worker: build the session and call the job's function with it."""
     from elastic.session import Session
 
+    from elastic.placement import PlacementEnded
+
     spec = JobSpec.model_validate(payload["spec"])
     function = resolve_entrypoint(spec.entrypoint)
-    function(Session(spec, payload["run_name"]))
+    try:
+        function(Session(spec, payload["run_name"], placement=payload.get("placement")))
+    except PlacementEnded:
+        # The driver asked this placement to end (spot-first moving to spot) and it did, at a committed
+        # checkpoint. Returning normally lets Ray Train finish the run cleanly: no failure budget is spent.
+        return
 
 
 def resolve_entrypoint(entrypoint: str) -> Callable[..., Any]:

@@ -55,9 +55,9 @@ def stack_env(stack) -> dict:
     return stack["env"]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def cli_factory():
-    """make_cli(home) for tests that run a stack of their own."""
+    """make_cli(home) for tests (and module fixtures) that run a stack of their own."""
     return make_cli
 
 

@@ -161,6 +161,11 @@ def test_apply_overrides_creates_nested_mappings():
     assert result["name"] == "x"
 
 
+def test_apply_overrides_quoted_numbers_stay_strings():
+    result = apply_overrides({}, ["runtime_env.env_vars.POLL='1'", 'config.tag="2"', "config.lr=1e-3"])
+    assert result == {"runtime_env": {"env_vars": {"POLL": "1"}}, "config": {"tag": "2", "lr": 0.001}}
+
+
 def test_apply_overrides_value_may_contain_equals_and_spaces_around_key():
     result = apply_overrides({}, [" config.expr =a=b"])
     assert result == {"config": {"expr": "a=b"}}
