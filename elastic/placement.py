@@ -274,7 +274,12 @@ def wait_for_spot(workers: WorkersSpec, observe: Callable[[], list[NodeView]] = 
     started = clock()
     announced = False
     while True:
-        decision = decide_start(workers, observe(), clock() - started)
+        try:
+            nodes = observe()
+        except Exception as err:  # loop boundary: a failed poll (GCS hiccup) counts as no capacity seen
+            print(f"[elastic] placement: capacity poll failed ({type(err).__name__}: {err})", flush=True)
+            nodes = []
+        decision = decide_start(workers, nodes, clock() - started)
         if decision.action != "wait":
             log_decision(decision)
             return decision

@@ -126,6 +126,21 @@ def test_wait_for_spot_falls_back_exactly_at_the_timeout():
     assert clock.sleeps == [10, 10, 5] and clock.now == 25.0
 
 
+def test_wait_for_spot_survives_a_failed_poll(capsys):
+    clock = FakeClock()
+    polls = iter([RuntimeError("GCS unavailable"), [node("spot"), node("spot")]])
+
+    def observe():
+        item = next(polls)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    decision = wait_for_spot(workers(), observe=observe, clock=clock, sleep=clock.sleep, poll_seconds=5)
+    assert decision.action == "spot" and clock.now == 5
+    assert "capacity poll failed (RuntimeError: GCS unavailable)" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Control objects and the driver's watcher (a run folder on the local filesystem)
 
