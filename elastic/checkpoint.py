@@ -80,17 +80,28 @@ class CheckpointStore:
 
     # -- reading
     def list(self) -> list[CheckpointInfo]:
-        """Every step folder, oldest first, committed or not."""
+        """Every step folder that is not retired, oldest first, committed or not."""
+        return [self.info(step) for step, names in sorted(self.scan().items()) if TOMBSTONE not in names]
+
+    def scan(self) -> dict[int, set[str]]:
+        """Step -> the names of the files in its folder, from one recursive listing (retention runs after
+        every save: per-folder requests grew with the run's age)."""
+        self.fs.invalidate_cache(self.root)
         try:
-            entries = self.fs.ls(self.root, detail=False, refresh=True)
+            try:
+                paths = self.fs.find(self.root, prefix="step-")  # s3fs/gcsfs: list only the step folders
+            except TypeError:
+                paths = self.fs.find(self.root)
         except FileNotFoundError:
-            return []
-        infos = []
-        for entry in entries:
-            match = _STEP_FOLDER.match(entry.rstrip("/").rsplit("/", 1)[-1])
-            if match and not self.fs.exists(f"{self.path(int(match.group(1)))}/{TOMBSTONE}"):
-                infos.append(self.info(int(match.group(1))))
-        return sorted(infos, key=lambda i: i.step)
+            return {}
+        folders: dict[int, set[str]] = {}
+        root = self.root.rstrip("/") + "/"
+        for path in paths:
+            folder, _, name = path[len(root):].partition("/") if path.startswith(root) else ("", "", "")
+            match = _STEP_FOLDER.match(folder)
+            if match and name:
+                folders.setdefault(int(match.group(1)), set()).add(name)
+        return folders
 
     def info(self, step: int) -> CheckpointInfo:
         path = self.path(step)
@@ -105,8 +116,8 @@ class CheckpointStore:
                               shards=sum(1 for f in files if f.endswith(".distcp")), files=files)
 
     def latest_committed(self) -> CheckpointInfo | None:
-        committed = [i for i in self.list() if i.committed]
-        return committed[-1] if committed else None
+        committed = [step for step, names in self.scan().items() if MARKER in names and TOMBSTONE not in names]
+        return self.info(max(committed)) if committed else None
 
     def manifest(self, step: int) -> dict | None:
         return self._read_marker(step)
@@ -126,21 +137,21 @@ class CheckpointStore:
     def retain(self, keep: int, keep_every: int | None = None) -> list[int]:
         """Delete all but the newest `keep` committed checkpoints (and every `keep_every`-th step), and any
         uncommitted folder older than the newest committed one. Returns the deleted steps."""
-        infos = self.list()
-        committed = [i.step for i in infos if i.committed]
+        folders = {step: names for step, names in self.scan().items() if TOMBSTONE not in names}
+        committed = sorted(step for step, names in folders.items() if MARKER in names)
         if not committed:
             return []
         newest = committed[-1]
         kept = set(committed[-keep:])
         if keep_every:
             kept |= {s for s in committed if s % keep_every == 0}
-        doomed = [i for i in infos if i.step not in kept and i.step < newest]
-        for info in doomed:
-            if info.committed:
-                self.retire(info.step)
+        doomed = sorted(step for step in folders if step not in kept and step < newest)
+        for step in doomed:
+            if MARKER in folders[step]:
+                self.retire(step)
             else:
-                self.delete(info.step)
-        return [i.step for i in doomed]
+                self.delete(step)
+        return doomed
 
     def remove_torn(self) -> list[int]:
         """Delete uncommitted folders older than the newest committed checkpoint (failed saves): they can
@@ -274,7 +285,7 @@ class ShardedCheckpointer:
 
     def __init__(self, store: CheckpointStore, rank: int, world_size: int, process_group=None,
                  retries: int = 3, backoff_seconds: float = 1.0,
-                 on_commit: Callable[[SaveResult], None] | None = None):
+                 on_commit: Callable[[SaveResult], None] | None = None, io_threads: int = 8):
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -282,24 +293,48 @@ class ShardedCheckpointer:
         self.retries = retries
         self.backoff_seconds = backoff_seconds
         self.on_commit = on_commit
+        # Parallel uploads per rank: DCP splits the rank's share into this many files, written concurrently
+        # (one multipart stream each); a single stream left object stores at a quarter of their bandwidth.
+        self.io_threads = io_threads
         # Fault injection (elastic.chaos): called with (step, "write") before this rank writes its shard and
         # (step, "commit") on rank 0 before the marker.
         self.fault_hook: Callable[[int, str], None] = lambda step, phase: None
         self._in_flight: Future | None = None
         self._buffers: dict | None = None  # staging memory, reused between saves
+        self._staged: threading.Event | None = None  # set once the save in flight has copied all its tensors
+        self._waited = 0.0  # seconds the loop waited in wait_staged() for the save in flight
         self.results: list[SaveResult] = []
 
     # -- save
-    def save(self, step: int, state: dict[str, Any], asynchronous: bool = True) -> Future:
-        """Stage `state` to host memory (the only blocking part), then write and commit it in the background."""
+    def save(self, step: int, state: dict[str, Any], asynchronous: bool = True,
+             deferrable: Callable[[Any], bool] | None = None) -> Future:
+        """Stage `state` to host memory, then write and commit it in the background.
+
+        With `deferrable` (async only), tensors it accepts (parameters and optimizer state: changed only by
+        optimizer.step) are copied by the background thread instead, overlapping the next step's forward and
+        backward; the caller must call `wait_staged()` before the next optimizer step (the session does so
+        from an optimizer step pre-hook). Everything else is staged before this returns."""
         previous = self.wait()  # at most one in flight: a second save waits for the first
         del previous
         started = time.perf_counter()
-        staged = self._stage(state)
+        copies: list[tuple[Any, Any]] = []
+        if asynchronous:
+            self._buffers = _stage_into(state, self._buffers, deferrable, copies)
+            staged = self._buffers
+        else:
+            staged = state  # the caller waits for the write: nothing can change under it, so no copy
         blocked = time.perf_counter() - started
+        self._staged = threading.Event()
+        self._waited = 0.0
+        event = self._staged
         future: Future = Future()
 
         def work() -> None:
+            try:
+                for buffer, source in copies:
+                    buffer.copy_(source)
+            finally:
+                event.set()
             try:
                 future.set_result(self._write_and_commit(step, staged, blocked, started))
             except BaseException as err:  # surfaced through the future to the caller
@@ -312,6 +347,13 @@ class ShardedCheckpointer:
             work()
         return future
 
+    def wait_staged(self) -> None:
+        """Block until the save in flight has copied every deferred tensor (no-op when nothing is pending)."""
+        if self._staged is not None and not self._staged.is_set():
+            started = time.perf_counter()
+            self._staged.wait()
+            self._waited += time.perf_counter() - started
+
     def wait(self) -> SaveResult | None:
         """Block until the save in flight (if any) has committed or failed."""
         if self._in_flight is None:
@@ -323,20 +365,13 @@ class ShardedCheckpointer:
     def in_flight(self) -> bool:
         return self._in_flight is not None and not self._in_flight.done()
 
-    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Copy tensors to host memory the loop will not touch (training keeps updating the originals).
-
-        Buffers are reused between saves, so after the first save staging is a memcpy per tensor."""
-        self._buffers = _stage_into(state, self._buffers)
-        return self._buffers
-
     def _write_and_commit(self, step: int, staged: dict, blocked: float, started: float) -> SaveResult:
         error = None
         for attempt in range(1, self.retries + 2):
             ok, error = self._attempt(step, staged)
             # Every rank must agree on the outcome, or one rank would retry a collective save alone.
             if self._all_ranks_agree(ok):
-                result = SaveResult(step, True, blocked, time.perf_counter() - started, attempt)
+                result = SaveResult(step, True, blocked + self._waited, time.perf_counter() - started, attempt)
                 self.results.append(result)
                 if self.on_commit:
                     self.on_commit(result)
@@ -345,17 +380,20 @@ class ShardedCheckpointer:
             log.warning("checkpoint step %d attempt %d failed: %s", step, attempt, error)
             if attempt <= self.retries:
                 time.sleep(self.backoff_seconds * 2 ** (attempt - 1))
-        result = SaveResult(step, False, blocked, time.perf_counter() - started, self.retries + 1, error)
+        result = SaveResult(step, False, blocked + self._waited, time.perf_counter() - started,
+                            self.retries + 1, error)
         self.results.append(result)
         return result
 
     def _attempt(self, step: int, staged: dict) -> tuple[bool, str | None]:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
         from torch.distributed.checkpoint.api import CheckpointException
 
+        from elastic.dcp_io import storage_writer
+
         try:
-            writer = FsspecWriter(self.store.uri(step), overwrite=True, **self.store.writer_options())
+            writer = storage_writer(self.store.uri(step), self.store.location.is_object_store,
+                                    self.threads_for(staged), **self.store.writer_options())
             self.fault_hook(step, "write")
             dcp.save(staged, storage_writer=writer, process_group=self.group)
             # dcp.save returns on rank 0 only after gathering every rank's write results and writing
@@ -368,6 +406,12 @@ class ShardedCheckpointer:
         except (Exception, CheckpointException) as err:
             text = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
             return False, f"{type(err).__name__}: {text}"
+
+    def threads_for(self, state: dict) -> int:
+        """Files (and parallel uploads) for this rank: one per ~16 MB of its share, up to io_threads. Small
+        states stay one file per rank; each extra object costs a request."""
+        share = _tensor_bytes(state) / max(1, self.world_size)
+        return max(1, min(self.io_threads, int(share // (16 * 1024 * 1024))))
 
     def _all_ranks_agree(self, ok: bool) -> bool:
         import torch
@@ -383,14 +427,33 @@ class ShardedCheckpointer:
     def load(self, step: int, state: dict[str, Any]) -> dict[str, Any]:
         """Fill `state` (a template with the tensors to load) from checkpoint `step`; reshards as needed."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-        reader = FsspecReader(self.store.uri(step), **self.store.writer_options())
+        from elastic.dcp_io import storage_reader
+
+        reader = storage_reader(self.store.uri(step), self.store.location.is_object_store,
+                                **self.store.writer_options())
         dcp.load(state, storage_reader=reader, process_group=self.group)
         return state
 
 
-def _stage_into(value: Any, buffer: Any) -> Any:
+def _tensor_bytes(value: Any) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _stage_into(value: Any, buffer: Any, deferrable: Callable[[Any], bool] | None = None,
+                copies: list | None = None) -> Any:
+    """Copy tensors into host buffers the loop will not touch (training keeps updating the originals).
+
+    Buffers are reused between saves, so after the first save staging is a memcpy per tensor. Tensors that
+    `deferrable` accepts get their buffer now and their copy queued in `copies` for the background thread."""
     import copy
 
     import torch
@@ -399,14 +462,18 @@ def _stage_into(value: Any, buffer: Any) -> Any:
         source = value.detach()
         if (isinstance(buffer, torch.Tensor) and buffer.shape == source.shape and buffer.dtype == source.dtype
                 and buffer.device.type == "cpu"):
-            return buffer.copy_(source)
-        staged = torch.empty(source.shape, dtype=source.dtype, device="cpu",
-                             pin_memory=source.is_cuda and torch.cuda.is_available())
+            staged = buffer
+        else:
+            staged = torch.empty(source.shape, dtype=source.dtype, device="cpu",
+                                 pin_memory=source.is_cuda and torch.cuda.is_available())
+        if deferrable is not None and copies is not None and deferrable(value):
+            copies.append((staged, source))
+            return staged
         return staged.copy_(source)
     if isinstance(value, dict):
         previous = buffer if isinstance(buffer, dict) else {}
-        return {key: _stage_into(item, previous.get(key)) for key, item in value.items()}
+        return {key: _stage_into(item, previous.get(key), deferrable, copies) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         previous = buffer if isinstance(buffer, (list, tuple)) and len(buffer) == len(value) else [None] * len(value)
-        return type(value)(_stage_into(item, old) for item, old in zip(value, previous))
+        return type(value)(_stage_into(item, old, deferrable, copies) for item, old in zip(value, previous))
     return copy.deepcopy(value)

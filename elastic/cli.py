@@ -396,6 +396,84 @@ def _show_verify(report) -> None:
         console.print(f"[red]problem:[/] {problem}")
 
 
+@cli.group("bench")
+def bench_group() -> None:
+    """Benchmarks: ours and the baseline side by side in one run, as ratios (run them on your own bucket)."""
+
+
+def _bench_target(uri: str | None, folder: str) -> str:
+    """--uri, else the local stack's bucket (whose endpoint and credentials this process then uses)."""
+    import os
+
+    from elastic import local
+
+    state = local.running_state()
+    if state is not None and not os.environ.get("AWS_ENDPOINT_URL"):
+        os.environ.update(state.env())
+    if uri:
+        return uri
+    if state is None:
+        raise UserError("no --uri and no local stack; pass --uri s3://BUCKET/PREFIX or run `elastic local up`")
+    return f"s3://{state.bucket}/{folder}"
+
+
+def _show_bench(title: str, result: dict, ratios: dict[str, float]) -> None:
+    table = Table("measure", "value")
+    for key, value in result.items():
+        table.add_row(key, str(value))
+    console.print(f"[bold]{title}[/]")
+    console.print(table)
+    for key, target in ratios.items():
+        value = result[key]
+        ok = value <= target if key in ("stall_ratio", "overhead_ratio", "ckpt_overhead_ratio") else value >= target
+        console.print(f"{key} = {value} ({'meets' if ok else 'MISSES'} the target "
+                      f"{'<=' if key in ('stall_ratio', 'overhead_ratio', 'ckpt_overhead_ratio') else '>='} {target})")
+
+
+@bench_group.command("checkpoint")
+@click.option("--uri", help="Where to write (default: the local stack's s3://BUCKET/bench).")
+@click.option("--size-mb", default=256.0, show_default=True, type=click.FloatRange(min=1), help="State size.")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1), help="Ranks (local processes).")
+@click.option("--json", "as_json", is_flag=True)
+def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, as_json: bool) -> None:
+    """Sharded async save and load against raw parallel multipart put/get of the same bytes.
+
+    \b
+    Example:
+      elastic bench checkpoint --size-mb 256 --workers 2 --json
+    """
+    from elastic import bench
+
+    result = bench.to_json(bench.bench_checkpoint(_bench_target(uri, "bench"), size_mb=size_mb, workers=workers))
+    if as_json:
+        _print_json(result)
+    else:
+        _show_bench("checkpoint", result, {"throughput_ratio": 0.9, "load_ratio": 0.9, "stall_ratio": 0.02})
+
+
+@bench_group.command("overhead")
+@click.option("--uri", help="Checkpoint root for the harness (default: the local stack's s3://BUCKET/bench).")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--rounds", default=6, show_default=True, type=click.IntRange(1), help="Timed rounds per variant.")
+@click.option("--steps", default=60, show_default=True, type=click.IntRange(1), help="Steps per round.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_overhead_cmd(uri: str | None, workers: int, rounds: int, steps: int, as_json: bool) -> None:
+    """Harness step time against a bare Ray Train DDP loop: checkpoints off, and async every 20 steps.
+
+    \b
+    Example:
+      elastic bench overhead --json
+    """
+    from elastic import bench
+
+    target = _bench_target(uri, "bench")
+    result = bench.to_json(bench.bench_overhead(target, workers=workers, rounds=rounds, steps=steps))
+    if as_json:
+        _print_json(result)
+    else:
+        _show_bench("overhead", result, {"overhead_ratio": 1.02, "ckpt_overhead_ratio": 1.05})
+
+
 @cli.command("demo")
 @click.option("--spot", default=2, show_default=True, type=click.IntRange(0))
 @click.option("--on-demand", default=1, show_default=True, type=click.IntRange(0))

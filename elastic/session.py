@@ -154,6 +154,9 @@ class Session:
             if train.precision == "fp16":
                 self.track("grad_scaler", scaler)
             self.track("nonfinite_guard", self._guard)
+            # An async save copies parameters and optimizer state while the next step computes; they may
+            # change only once that copy is done (also when user code calls optimizer.step() itself).
+            optimizer.register_step_pre_hook(lambda *_: self.checkpointer.wait_staged())
             self._optimizer_step = OptimizerStep(train, wrapped, optimizer, scaler, self._guard, scheduler)
         return (wrapped, optimizer) if optimizer is not None else wrapped
 
@@ -237,7 +240,8 @@ class Session:
         """Save now (all ranks). Blocks only while state is copied to host memory."""
         self._report_finished(self.checkpointer.wait())  # at most one in flight
         self._ledger.flush(self.step_count)  # records cover every step a commit of this save includes
-        self.checkpointer.save(self.step_count, self._state(), asynchronous=asynchronous)
+        self.checkpointer.save(self.step_count, self._state(), asynchronous=asynchronous,
+                               deferrable=self._changed_only_by_optimizer())
         self._last_saved_step = self.step_count
         self._pending_metrics = {"step": self.step_count, **(metrics or {})}
         self._cadence.saved()
@@ -304,6 +308,17 @@ class Session:
             "extras": self.extras,
         })
         return state
+
+    def _changed_only_by_optimizer(self):
+        """Predicate for tensors an async save may copy after it returns: parameters and optimizer state,
+        which change only in optimizer.step() (guarded by the pre-hook). Buffers (e.g. BatchNorm statistics,
+        updated by forward) are staged before the save returns."""
+        if self._model is None or self._optimizer is None:
+            return None
+        storages = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
+        for state in self._optimizer.state.values():
+            storages |= {t.untyped_storage().data_ptr() for t in state.values() if isinstance(t, torch.Tensor)}
+        return lambda tensor: tensor.untyped_storage().data_ptr() in storages
 
     def _template(self) -> dict:
         state = self._state()

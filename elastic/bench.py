@@ -1,0 +1,344 @@
+"""The benchmarks behind `elastic bench`: each measures ours and its baseline side by side, in one run, against
+the same endpoint or cluster, and reports ratios (users run them against their own bucket and cluster).
+
+- checkpoint: W local ranks (gloo) save a DDP-like replicated state of N MB with our sharded checkpointer, and
+  put/get the same bytes with plain parallel multipart requests (the limit the storage allows). Reports
+  save and load throughput against raw put and get, and the async save's blocking time against a sync save.
+- overhead: one Ray Train run with W workers trains the same model on the same data through a bare DDP loop
+  and through the harness (checkpoints off; then async checkpoints every 20 steps), in alternating rounds so
+  that drift on a shared machine hits every variant alike. Reports step-time ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+MB = 1024 * 1024
+OVERHEAD_RESULT = "bench-overhead.json"
+
+# ---------------------------------------------------------------------------------------------------------
+# checkpoint
+
+
+@dataclass
+class CheckpointBench:
+    uri: str
+    size_mb: float
+    workers: int
+    raw_put_mb_s: float
+    save_mb_s: float
+    raw_get_mb_s: float
+    load_mb_s: float
+    sync_save_s: float
+    async_blocked_s: float
+    throughput_ratio: float  # save / raw put
+    load_ratio: float  # load / raw get
+    stall_ratio: float  # async blocking time / sync save time
+    shards: int
+    loaded_equal: bool
+
+
+def bench_model(size_mb: float, width: int = 1024, seed: int = 0):
+    """An MLP and AdamW whose state (weights and both moments) is about `size_mb`, identical on every rank
+    (replicated, as under DDP), after one optimizer step so the moments exist."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(seed)
+    layers = max(1, round(size_mb * MB / 3 / 4 / (width * width + width)))
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, optimizer
+
+
+def train_step(model, optimizer, batch: int = 16, seed: int = 0) -> None:
+    """One real forward/backward/step (the compute an async save's copy overlaps with)."""
+    import torch
+
+    width = model[0][0].in_features
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(seed))
+    model(x).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _timed(barrier, action) -> float:
+    """Wall time of `action` across all ranks: from a common start to the slowest rank's end."""
+    barrier()
+    started = time.perf_counter()
+    action()
+    barrier()
+    return time.perf_counter() - started
+
+
+def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: float, repeats: int, out: str,
+                     env: dict) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from elastic.checkpoint import CheckpointStore, ShardedCheckpointer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = dist.new_group(backend="gloo")
+    store = CheckpointStore(run_uri)
+    checkpointer = ShardedCheckpointer(store, rank, world, group)
+    model, optimizer = bench_model(size_mb)
+    train_step(model, optimizer)
+    optimizer.register_step_pre_hook(lambda *_: checkpointer.wait_staged())
+
+    def state() -> dict:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def tensors(tree) -> list:
+        if isinstance(tree, torch.Tensor):
+            return [tree]
+        if isinstance(tree, dict):
+            return [t for v in tree.values() for t in tensors(v)]
+        return []
+
+    live = {p.untyped_storage().data_ptr() for p in model.parameters()} | \
+        {t.untyped_storage().data_ptr() for s in optimizer.state.values() for t in s.values()
+         if isinstance(t, torch.Tensor)}
+    deferrable = lambda tensor: tensor.untyped_storage().data_ptr() in live  # noqa: E731
+    payload = torch.cat([t.flatten().float() for t in tensors(state())]).numpy().tobytes()
+    # The raw baseline: the same bytes, this rank's share, in as many objects at once as our save writes files.
+    threads = checkpointer.threads_for(state())
+    share = len(payload) // world
+    mine = payload[rank * share: len(payload) if rank == world - 1 else (rank + 1) * share]
+    piece = -(-len(mine) // threads)
+    raw = f"{store.root}/raw"
+    objects = {f"{raw}/part-{rank}-{i}": mine[i * piece:(i + 1) * piece] for i in range(threads)}
+    every_object = [f"{raw}/part-{r}-{i}" for r in range(world) for i in range(threads)]
+    barrier = dist.barrier
+    put = lambda: store.fs.pipe(objects)  # noqa: E731  (s3fs sends a batch concurrently)
+
+    # Warm-up, untimed: connections, DCP's planner, staging buffers. Training saves are steady-state too.
+    put()
+    checkpointer.save(0, state(), asynchronous=False)
+    checkpointer.wait()
+    times: dict[str, list[float]] = {"put_s": [], "save_s": [], "get_s": [], "load_s": [], "blocked_s": []}
+    committed, equal = True, True
+    for step in range(1, repeats + 1):
+        times["put_s"].append(_timed(barrier, put))
+        expected = [t.clone() for t in tensors(state())]
+        times["save_s"].append(_timed(barrier, lambda: checkpointer.save(2 * step - 1, state(), asynchronous=False)))
+        committed &= checkpointer.wait().committed
+        # Async, as in training: save, then the next step's forward/backward while parameters and optimizer
+        # state are copied; its optimizer.step waits (pre-hook) for the copy. Blocked = save() + that wait.
+        barrier()
+        checkpointer.save(2 * step, state(), asynchronous=True, deferrable=deferrable)
+        train_step(model, optimizer, seed=step)
+        result = checkpointer.wait()
+        committed &= result.committed
+        blocked = [0.0] * world
+        dist.all_gather_object(blocked, result.blocked_seconds)
+        times["blocked_s"].append(max(blocked))
+        store.fs.invalidate_cache(raw)
+        times["get_s"].append(_timed(barrier, lambda: store.fs.cat(every_object)))
+        template = state()
+        for tensor in tensors(template):
+            tensor.zero_()
+        times["load_s"].append(_timed(barrier, lambda: checkpointer.load(2 * step - 1, template)))
+        equal &= all(torch.equal(a, b) for a, b in zip(tensors(template), expected))
+
+    equal_all = [False] * world
+    dist.all_gather_object(equal_all, equal)
+    if rank == 0:
+        info = store.info(1)
+        medians = {key: statistics.median(values) for key, values in times.items()}
+        Path(out).write_text(json.dumps({**medians, "committed": committed, "shards": info.shards,
+                                         "bytes": len(payload), "equal": all(equal_all)}))
+        store.fs.rm(store.root, recursive=True)
+    dist.destroy_process_group()
+
+
+def bench_checkpoint(uri: str, size_mb: float = 256, workers: int = 2, repeats: int = 3) -> CheckpointBench:
+    import torch.multiprocessing as mp
+
+    from elastic.storage import check_storage
+
+    check_storage(uri)
+    run_uri = f"{uri.rstrip('/')}/bench-checkpoint-{time.strftime('%Y%m%d-%H%M%S')}"
+    env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "FSSPEC_"))}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/result.json"
+        mp.spawn(_checkpoint_rank, args=(workers, _free_port(), run_uri, size_mb, repeats, out, env), nprocs=workers,
+                 join=True)
+        raw = json.loads(Path(out).read_text())
+    if not raw["committed"]:
+        raise RuntimeError("a benchmark checkpoint did not commit; see the log above")
+    size = raw["bytes"] / MB
+    put, save, get, load = (size / raw[k] for k in ("put_s", "save_s", "get_s", "load_s"))
+    return CheckpointBench(
+        uri=uri, size_mb=round(size, 1), workers=workers,
+        raw_put_mb_s=round(put, 1), save_mb_s=round(save, 1), raw_get_mb_s=round(get, 1), load_mb_s=round(load, 1),
+        sync_save_s=round(raw["save_s"], 3), async_blocked_s=round(raw["blocked_s"], 4),
+        throughput_ratio=round(save / put, 3), load_ratio=round(load / get, 3),
+        stall_ratio=round(raw["blocked_s"] / raw["save_s"], 4), shards=raw["shards"], loaded_equal=raw["equal"],
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# overhead
+
+
+@dataclass
+class OverheadBench:
+    workers: int
+    rounds: int
+    steps_per_round: int
+    bare_step_ms: float
+    harness_step_ms: float
+    harness_ckpt_step_ms: float
+    overhead_ratio: float  # harness / bare, checkpoints off
+    ckpt_overhead_ratio: float  # harness with async checkpoints every 20 steps / bare
+    checkpoints_committed: int
+    checkpoint_every_steps: int
+
+
+def _bench_model(width: int):
+    import torch.nn as nn
+
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+def _overhead_worker(config: dict) -> None:
+    """Inside Ray Train: the bare loop and the harness, in alternating rounds, on the same model and data."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from elastic.session import Session
+    from elastic.spec import JobSpec
+
+    torch.manual_seed(0)
+    width, batch, steps, rounds = config["width"], config["batch"], config["steps"], config["rounds"]
+    samples = batch * steps * dist.get_world_size()
+    data = TensorDataset(torch.randn(samples, width), torch.randint(0, 10, (samples,)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    # The bare baseline: what a user writes with Ray Train and plain PyTorch.
+    bare_model = DistributedDataParallel(_bench_model(width))
+    bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=1e-3)
+    bare_loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, world, rank, seed=0))
+
+    def bare_round() -> None:
+        for x, y in bare_loader:
+            loss = F.cross_entropy(bare_model(x), y)
+            bare_opt.zero_grad()
+            loss.backward()
+            bare_opt.step()
+
+    def harness(every_steps: int):
+        spec = JobSpec.model_validate({**config["spec"], "checkpoint": {**config["spec"]["checkpoint"],
+                                                                        "every_steps": every_steps}})
+        session = Session(spec, config["run_names"][str(every_steps)])
+        model = _bench_model(width)
+        model, optimizer = session.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        loader = session.loader(data, batch_size=batch, seed=0)
+
+        def one_round() -> None:
+            for x, y in loader:
+                loss = F.cross_entropy(model(x), y)
+                session.optimize(loss)
+        return session, one_round
+
+    _, quiet_round = harness(10 ** 9)  # checkpoints off
+    saving, saving_rounds = harness(config["every_steps"])
+
+    def saving_round() -> None:
+        saving_rounds()
+        # The round's saves finish inside its own timing, so their upload never runs during another variant
+        # (conservative: in a real run the last one would overlap the next steps).
+        saving.checkpointer.wait_staged()
+        saving.checkpointer.wait()
+
+    variants = {"bare": bare_round, "harness": quiet_round, "harness_ckpt": saving_round}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for name, run in variants.items():  # warm-up round: allocations, first save's staging buffers
+        run()
+    for index in range(rounds):
+        order = list(variants) if index % 2 == 0 else list(reversed(variants))
+        for name in order:
+            dist.barrier()
+            started = time.perf_counter()
+            variants[name]()
+            dist.barrier()
+            times[name].append(time.perf_counter() - started)
+    committed = sum(1 for r in saving.checkpointer.results if r.committed)
+    if rank == 0:
+        # Train V2 hands the driver only checkpointed metrics: the result goes next to the run's checkpoints.
+        with saving.store.fs.open(f"{saving.store.root}/{OVERHEAD_RESULT}", "w") as handle:
+            json.dump({"times": times, "committed": committed}, handle)
+    dist.barrier()
+
+
+def bench_overhead(uri: str, workers: int = 2, rounds: int = 6, steps: int = 60, every_steps: int = 20,
+                   width: int = 512, batch: int = 128) -> OverheadBench:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from elastic.spec import JobSpec
+    from elastic.storage import check_storage, pyarrow_filesystem
+
+    check_storage(uri)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = f"bench-overhead-{stamp}"
+    spec = JobSpec.model_validate({
+        "name": "bench-overhead", "entrypoint": "elastic.bench:unused",
+        "workers": {"min": workers, "cpus": 1},
+        "checkpoint": {"uri": uri, "every_steps": every_steps, "keep": 2},
+    })
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+    filesystem, storage_path = pyarrow_filesystem(uri)
+    trainer = TorchTrainer(
+        _overhead_worker,
+        train_loop_config={"spec": spec.model_dump(mode="json"), "width": width, "batch": batch, "steps": steps,
+                           "rounds": rounds, "every_steps": every_steps,
+                           # Both harness variants report into this run's folder; separate subfolders keep
+                           # their checkpoints apart.
+                           "run_names": {str(10 ** 9): name, str(every_steps): name}},
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=name, storage_path=storage_path, storage_filesystem=filesystem),
+    )
+    trainer.fit()
+    from elastic.checkpoint import CheckpointStore
+    from elastic.trainer import run_directory
+
+    store = CheckpointStore(run_directory(spec, name))
+    with store.fs.open(f"{store.root}/{OVERHEAD_RESULT}", "r") as handle:
+        measured = json.load(handle)
+    times = measured["times"]
+    bare, quiet, saving = (statistics.median(times[k]) for k in ("bare", "harness", "harness_ckpt"))
+    per_step = 1000 / steps
+    return OverheadBench(
+        workers=workers, rounds=rounds, steps_per_round=steps,
+        bare_step_ms=round(bare * per_step, 3), harness_step_ms=round(quiet * per_step, 3),
+        harness_ckpt_step_ms=round(saving * per_step, 3),
+        overhead_ratio=round(quiet / bare, 4), ckpt_overhead_ratio=round(saving / bare, 4),
+        checkpoints_committed=int(measured["committed"]), checkpoint_every_steps=every_steps,
+    )
+
+
+def to_json(result) -> dict:
+    return asdict(result)

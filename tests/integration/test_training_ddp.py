@@ -1,0 +1,58 @@
+"""session.optimize's step logic under real DDP (2 gloo processes, no Ray): a NaN loss on one rank only is
+skipped by both ranks, whose parameters stay identical; accumulation syncs gradients once per step."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def _rank(rank: int, world: int, port: int, out: str, precision: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from elastic.spec import TrainSpec
+    from elastic.training import NonFiniteGuard, OptimizerStep, grad_scaler
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    spec = TrainSpec(precision=precision, grad_accumulation=2)
+    step = OptimizerStep(spec, model, optimizer, grad_scaler(precision, torch.device("cpu")), NonFiniteGuard(3))
+    outcomes = []
+    for i in range(4):
+        for micro in range(2):
+            x = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * i + micro + 100 * rank))
+            loss = F.cross_entropy(model(x), torch.tensor([0, 1, 0, 1]))
+            if i == 1 and rank == 1 and micro == 0:
+                loss = loss * float("nan")  # a bad batch on one rank only
+            done, applied = step.optimize(loss, i + 1)
+        outcomes.append(applied)
+    params = [p.detach().flatten().tolist() for p in model.parameters()]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"outcomes": outcomes, "params": params, "guard": step.guard.state_dict()})
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path, precision):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "result.json"
+    mp.spawn(_rank, args=(2, port, str(out), precision), nprocs=2, join=True)
+    ranks = json.loads(out.read_text())
+    assert [r["outcomes"] for r in ranks] == [[True, False, True, True]] * 2
+    assert ranks[0]["params"] == ranks[1]["params"]  # still replicas
+    assert all(r["guard"] == {"in_a_row": 0, "skipped": 1} for r in ranks)
