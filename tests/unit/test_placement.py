@@ -202,3 +202,28 @@ def test_swap_watcher_keeps_a_request_the_session_already_acknowledged(tmp_path)
 def test_other_markets_keep_their_defaults(market):
     spec = WorkersSpec(min=1, market=market)
     assert spec.spot_wait_seconds == 120 and spec.swap_to_spot is True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Drivers on the on-demand head; local add-node's edges
+
+
+def test_driver_selector_matches_the_on_demand_head_only():
+    from elastic.labels import driver_selector, matches
+
+    head = {"market": "on-demand", "elastic-role": "head", "elastic-node": "head"}
+    assert matches(head, driver_selector())
+    assert not matches({"market": "spot", "elastic-role": "head"}, driver_selector())
+    assert not matches({"market": "on-demand", "elastic-role": "worker"}, driver_selector())
+    assert not matches({}, driver_selector())
+
+
+def test_add_node_needs_a_running_stack_and_a_known_market(tmp_path, monkeypatch):
+    from elastic import local
+    from elastic.errors import ClusterError
+
+    monkeypatch.setenv("ELASTIC_HOME", str(tmp_path))
+    with pytest.raises(ClusterError, match="no local stack running; start one with `elastic local up`"):
+        local.add_node("spot")
+    with pytest.raises(ClusterError, match="--market 'spott': use one of spot, on-demand"):
+        local.add_node("spott")
