@@ -130,32 +130,45 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
     times: dict[str, list[float]] = {"put_s": [], "save_s": [], "get_s": [], "load_s": [], "blocked_s": []}
     committed, equal = True, True
     for step in range(1, repeats + 1):
-        times["put_s"].append(_timed(barrier, put))
+        sync_step, async_step = 2 * step - 1, 2 * step
         expected = [t.clone() for t in tensors(state())]
-        times["save_s"].append(_timed(barrier, lambda: checkpointer.save(2 * step - 1, state(), asynchronous=False)))
+        writes = {"put_s": put,
+                  "save_s": lambda: checkpointer.save(sync_step, state(), asynchronous=False)}
+        # Alternate which goes first: the endpoint may still be busy with what came before.
+        for key in (list(writes) if step % 2 else list(reversed(writes))):
+            times[key].append(_timed(barrier, writes[key]))
         committed &= checkpointer.wait().committed
         # Async, as in training: save, then the next step's forward/backward while parameters and optimizer
         # state are copied; its optimizer.step waits (pre-hook) for the copy. Blocked = save() + that wait.
         barrier()
-        checkpointer.save(2 * step, state(), asynchronous=True, deferrable=deferrable)
+        checkpointer.save(async_step, state(), asynchronous=True, deferrable=deferrable)
         train_step(model, optimizer, seed=step)
         result = checkpointer.wait()
         committed &= result.committed
         blocked = [0.0] * world
         dist.all_gather_object(blocked, result.blocked_seconds)
         times["blocked_s"].append(max(blocked))
-        store.fs.invalidate_cache(raw)
-        times["get_s"].append(_timed(barrier, lambda: store.fs.cat(every_object)))
         template = state()
         for tensor in tensors(template):
             tensor.zero_()
-        times["load_s"].append(_timed(barrier, lambda: checkpointer.load(2 * step - 1, template)))
+        reads = {"get_s": lambda: store.fs.cat(every_object),
+                 "load_s": lambda: checkpointer.load(sync_step, template)}
+        store.fs.invalidate_cache(raw)
+        for key in (list(reads) if step % 2 else list(reversed(reads))):
+            times[key].append(_timed(barrier, reads[key]))
         equal &= all(torch.equal(a, b) for a, b in zip(tensors(template), expected))
+        barrier()
+        if rank == 0:  # untimed: keep the endpoint's memory from growing over the repeats
+            store.fs.rm(raw, recursive=True)
+            store.delete(async_step)
+            if step > 1:
+                store.delete(sync_step - 2)
+        barrier()
 
     equal_all = [False] * world
     dist.all_gather_object(equal_all, equal)
     if rank == 0:
-        info = store.info(1)
+        info = store.info(2 * repeats - 1)
         medians = {key: statistics.median(values) for key, values in times.items()}
         Path(out).write_text(json.dumps({**medians, "committed": committed, "shards": info.shards,
                                          "bytes": len(payload), "equal": all(equal_all)}))

@@ -434,8 +434,9 @@ def _show_bench(title: str, result: dict, ratios: dict[str, float]) -> None:
 @click.option("--uri", help="Where to write (default: the local stack's s3://BUCKET/bench).")
 @click.option("--size-mb", default=256.0, show_default=True, type=click.FloatRange(min=1), help="State size.")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1), help="Ranks (local processes).")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1), help="Timed repeats (median).")
 @click.option("--json", "as_json", is_flag=True)
-def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, as_json: bool) -> None:
+def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, repeats: int, as_json: bool) -> None:
     """Sharded async save and load against raw parallel multipart put/get of the same bytes.
 
     \b
@@ -444,7 +445,8 @@ def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, as_json:
     """
     from elastic import bench
 
-    result = bench.to_json(bench.bench_checkpoint(_bench_target(uri, "bench"), size_mb=size_mb, workers=workers))
+    result = bench.to_json(bench.bench_checkpoint(_bench_target(uri, "bench"), size_mb=size_mb, workers=workers,
+                                                        repeats=repeats))
     if as_json:
         _print_json(result)
     else:
