@@ -245,6 +245,9 @@ def _overhead_worker(config: dict) -> None:
 
     torch.manual_seed(0)
     width, batch, steps, rounds = config["width"], config["batch"], config["steps"], config["rounds"]
+    every = config["every_steps"]
+    if steps < 3 * every:
+        raise ValueError(f"steps per round ({steps}) must be at least 3 x the checkpoint interval ({every})")
     samples = batch * steps * dist.get_world_size()
     data = TensorDataset(torch.randn(samples, width), torch.randint(0, 10, (samples,)))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -254,12 +257,12 @@ def _overhead_worker(config: dict) -> None:
     bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=1e-3)
     bare_loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, world, rank, seed=0))
 
-    def bare_round() -> None:
-        for x, y in bare_loader:
-            loss = F.cross_entropy(bare_model(x), y)
-            bare_opt.zero_grad()
-            loss.backward()
-            bare_opt.step()
+    def bare_step(batch_data) -> None:
+        x, y = batch_data
+        loss = F.cross_entropy(bare_model(x), y)
+        bare_opt.zero_grad()
+        loss.backward()
+        bare_opt.step()
 
     def harness(every_steps: int):
         spec = JobSpec.model_validate({**config["spec"], "checkpoint": {**config["spec"]["checkpoint"],
@@ -269,34 +272,39 @@ def _overhead_worker(config: dict) -> None:
         model, optimizer = session.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         loader = session.loader(data, batch_size=batch, seed=0)
 
-        def one_round() -> None:
-            for x, y in loader:
-                loss = F.cross_entropy(model(x), y)
-                session.optimize(loss)
-        return session, one_round
+        def one_step(batch_data) -> None:
+            x, y = batch_data
+            session.optimize(F.cross_entropy(model(x), y))
+        return session, loader, one_step
 
-    _, quiet_round = harness(10 ** 9)  # checkpoints off
-    saving, saving_rounds = harness(config["every_steps"])
+    _, quiet_loader, quiet_step = harness(10 ** 9)  # checkpoints off
+    saving, saving_loader, saving_step = harness(every)
+    variants = {"bare": (bare_loader, bare_step), "harness": (quiet_loader, quiet_step),
+                "harness_ckpt": (saving_loader, saving_step)}
+    # Steady state: time the steps in [every, steps - every) of each round (an epoch), so saves overlap the
+    # window fully; the last saves of a round finish outside it, before another variant starts.
+    window = (every, steps - every)
 
-    def saving_round() -> None:
-        saving_rounds()
-        # The round's saves finish inside its own timing, so their upload never runs during another variant
-        # (conservative: in a real run the last one would overlap the next steps).
+    def timed_round(loader, step_fn) -> float:
+        started = ended = 0.0
+        for index, batch_data in enumerate(loader):
+            if index == window[0]:
+                started = time.perf_counter()
+            step_fn(batch_data)
+            if index == window[1] - 1:
+                ended = time.perf_counter()
         saving.checkpointer.wait_staged()
         saving.checkpointer.wait()
+        return (ended - started) / (window[1] - window[0])
 
-    variants = {"bare": bare_round, "harness": quiet_round, "harness_ckpt": saving_round}
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for name, run in variants.items():  # warm-up round: allocations, first save's staging buffers
-        run()
+    for loader, step_fn in variants.values():  # warm-up round: allocations, first save's staging buffers
+        timed_round(loader, step_fn)
     for index in range(rounds):
         order = list(variants) if index % 2 == 0 else list(reversed(variants))
         for name in order:
             dist.barrier()
-            started = time.perf_counter()
-            variants[name]()
-            dist.barrier()
-            times[name].append(time.perf_counter() - started)
+            times[name].append(timed_round(*variants[name]))
     committed = sum(1 for r in saving.checkpointer.results if r.committed)
     if rank == 0:
         # Train V2 hands the driver only checkpointed metrics: the result goes next to the run's checkpoints.
@@ -305,8 +313,8 @@ def _overhead_worker(config: dict) -> None:
     dist.barrier()
 
 
-def bench_overhead(uri: str, workers: int = 2, rounds: int = 6, steps: int = 60, every_steps: int = 20,
-                   width: int = 512, batch: int = 128) -> OverheadBench:
+def bench_overhead(uri: str, workers: int = 2, rounds: int = 3, steps: int = 120, every_steps: int = 20,
+                   width: int = 1024, batch: int = 256) -> OverheadBench:
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -343,7 +351,7 @@ def bench_overhead(uri: str, workers: int = 2, rounds: int = 6, steps: int = 60,
         measured = json.load(handle)
     times = measured["times"]
     bare, quiet, saving = (statistics.median(times[k]) for k in ("bare", "harness", "harness_ckpt"))
-    per_step = 1000 / steps
+    per_step = 1000
     return OverheadBench(
         workers=workers, rounds=rounds, steps_per_round=steps,
         bare_step_ms=round(bare * per_step, 3), harness_step_ms=round(quiet * per_step, 3),

@@ -167,17 +167,18 @@ class CheckpointStore:
 
     def retire(self, step: int) -> None:
         """Prune a committed checkpoint: marker first (from then on it is not a checkpoint), then a tombstone,
-        then the shards. The folder stays, holding only the tombstone."""
+        then the shards, in one batched delete. The folder stays, holding only the tombstone."""
         path = self.path(step)
         self.fs.invalidate_cache(path)
-        marker = f"{path}/{MARKER}"
-        if self.fs.exists(marker):
-            self.fs.rm(marker)
+        try:
+            self.fs.rm(f"{path}/{MARKER}")
+        except FileNotFoundError:
+            pass
         with self.fs.open(f"{path}/{TOMBSTONE}", "w") as handle:
             handle.write(f"step {step} pruned by retention at {time.time():.0f}\n")
-        for name in self._sizes(path):
-            if name != TOMBSTONE:
-                self.fs.rm(f"{path}/{name}")
+        doomed = [f"{path}/{name}" for name in self._sizes(path) if name != TOMBSTONE]
+        if doomed:
+            self.fs.rm(doomed)
 
     def delete(self, step: int) -> None:
         """Remove a folder no one else tracks (a failed save). Marker first: from that moment the folder is

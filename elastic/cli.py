@@ -456,10 +456,13 @@ def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, repeats:
 @bench_group.command("overhead")
 @click.option("--uri", help="Checkpoint root for the harness (default: the local stack's s3://BUCKET/bench).")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1))
-@click.option("--rounds", default=6, show_default=True, type=click.IntRange(1), help="Timed rounds per variant.")
-@click.option("--steps", default=60, show_default=True, type=click.IntRange(1), help="Steps per round.")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1), help="Timed rounds per variant.")
+@click.option("--steps", default=120, show_default=True, type=click.IntRange(60), help="Steps per round.")
+@click.option("--width", default=1024, show_default=True, type=click.IntRange(8), help="MLP width (model size).")
+@click.option("--batch", default=256, show_default=True, type=click.IntRange(1), help="Batch per worker.")
 @click.option("--json", "as_json", is_flag=True)
-def bench_overhead_cmd(uri: str | None, workers: int, rounds: int, steps: int, as_json: bool) -> None:
+def bench_overhead_cmd(uri: str | None, workers: int, rounds: int, steps: int, width: int, batch: int,
+                       as_json: bool) -> None:
     """Harness step time against a bare Ray Train DDP loop: checkpoints off, and async every 20 steps.
 
     \b
@@ -469,7 +472,8 @@ def bench_overhead_cmd(uri: str | None, workers: int, rounds: int, steps: int, a
     from elastic import bench
 
     target = _bench_target(uri, "bench")
-    result = bench.to_json(bench.bench_overhead(target, workers=workers, rounds=rounds, steps=steps))
+    result = bench.to_json(bench.bench_overhead(target, workers=workers, rounds=rounds, steps=steps,
+                                                      width=width, batch=batch))
     if as_json:
         _print_json(result)
     else:

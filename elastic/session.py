@@ -1,15 +1,15 @@
-"""The per-worker harness a training function receives: DDP, restore, periodic async checkpoints, metrics.
+"""The per-worker harness a training function receives: DDP, restore, the optimizer step, periodic async
+checkpoints, metrics.
 
 User code stays plain PyTorch::
 
     def train(session):
-        model, optimizer = session.prepare(Net(), torch.optim.SGD(...))   # DDP-wrapped; checkpointed
-        session.track("scheduler", scheduler)                             # anything with state_dict()
-        loader = ...                                                      # track it too: its position resumes
-        session.restore()                                                 # latest committed checkpoint, if any
-        while session.step_count < total_steps:
-            ... loss.backward(); optimizer.step()
-            session.step({"loss": loss.item()})                           # counts, checkpoints when due
+        model, optimizer = session.prepare(Net(), torch.optim.SGD(...), scheduler)  # DDP-wrapped; checkpointed
+        loader = session.loader(dataset, batch_size=32)                             # its position resumes too
+        session.restore()                                                           # latest committed, if any
+        for epoch, (x, y) in loader.epochs(10):
+            loss = F.cross_entropy(model(x), y)
+            session.optimize(loss, {"loss": loss.item()})   # backward, step (spec's `train:`), checkpoints
         session.finish({"accuracy": acc})
 
 Checkpoints are sharded DCP saves written by every rank straight to the run folder at the checkpoint URI
@@ -21,8 +21,10 @@ current world size), the step, every tracked object, each rank's python/numpy/to
 from __future__ import annotations
 
 import pickle
+import queue
 import random
 import sys
+import threading
 import time
 from typing import Any, Protocol
 
@@ -103,7 +105,7 @@ class Session:
         # Background saves run their collectives on a group of their own, apart from DDP's all-reduces.
         self._checkpoint_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.checkpointer = ShardedCheckpointer(self.store, self.rank, self.world_size, self._checkpoint_group,
-                                                on_commit=self._retain)
+                                                on_commit=self._on_commit)
         self._cadence = CheckpointCadence(spec.checkpoint)
         self._chaos = Chaos(self.store, self.rank)
         self.checkpointer.fault_hook = self._chaos.maybe_kill_in_save
@@ -116,7 +118,12 @@ class Session:
         self._tracked: dict[str, Stateful] = {}
         self._guard = NonFiniteGuard(spec.train.max_nonfinite_steps)
         self._optimizer_step: OptimizerStep | None = None
-        self._pending_metrics: dict | None = None
+        # Metrics of saves not yet reported to Ray; a reporter thread tells Ray of each save once it commits.
+        self._unreported: dict[int, dict] = {}
+        self._report_lock = threading.Lock()
+        self._reports: queue.Queue = queue.Queue()
+        self._report_error: BaseException | None = None
+        threading.Thread(target=self._report_loop, name="elastic-report", daemon=True).start()
         self._last_saved_step: int | None = None
         self.extras: dict[str, Any] = {}
         self.step_count = 0
@@ -238,29 +245,35 @@ class Session:
 
     def checkpoint(self, metrics: dict | None = None, asynchronous: bool = True) -> None:
         """Save now (all ranks). Blocks only while state is copied to host memory."""
-        self._report_finished(self.checkpointer.wait())  # at most one in flight
+        self._log_failure(self.checkpointer.wait())  # at most one in flight
         self._ledger.flush(self.step_count)  # records cover every step a commit of this save includes
+        with self._report_lock:
+            self._unreported[self.step_count] = {"step": self.step_count, **(metrics or {})}
         self.checkpointer.save(self.step_count, self._state(), asynchronous=asynchronous,
                                deferrable=self._changed_only_by_optimizer())
         self._last_saved_step = self.step_count
-        self._pending_metrics = {"step": self.step_count, **(metrics or {})}
         self._cadence.saved()
 
     def finish(self, metrics: dict | None = None) -> None:
         """Final checkpoint, waited for and reported with `metrics`: call at the end of training on every rank."""
-        if self._last_saved_step == self.step_count:
-            self._pending_metrics = {"step": self.step_count, **(metrics or {})}  # that save is the final one
-        else:
+        final = {"step": self.step_count, **(metrics or {})}
+        if self._last_saved_step != self.step_count:
             self.checkpoint(metrics, asynchronous=False)
-        result = self.checkpointer.wait()
-        if result is None and self.restored_step == self.step_count:
-            # Resumed at the end (the run had already finished): nothing new to save, and Ray already knows
-            # that checkpoint. Report the metrics alone; never rewrite a committed folder in place.
+            self._raise_if_failed(self.checkpointer.wait())
+            self._drain_reports()
+            return
+        with self._report_lock:  # the last save is of this very step: let it carry the final metrics
+            carried = self.step_count in self._unreported
+            if carried:
+                self._unreported[self.step_count] = final
+        self._raise_if_failed(self.checkpointer.wait())
+        self._drain_reports()
+        if not carried:
+            # Already reported (or resumed at the end of a finished run: nothing new to save, and Ray knows
+            # that checkpoint). Report the metrics alone; never rewrite a committed folder in place.
             import ray.train
 
-            ray.train.report({"step": self.step_count, **(metrics or {})})
-            return
-        self._report_finished(result, final=True)
+            ray.train.report(final)
 
     def all_reduce_sum(self, *values: float) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)
@@ -353,36 +366,56 @@ class Session:
         self._ledger.attempt, self._ledger.resumed_from = attempt[0], resumed_from
 
     def _end_placement(self) -> None:
-        """Wait for the checkpoint just started, report it, and end this placement on every rank (the driver
-        resumes the run from it elsewhere). A save that failed keeps the placement: the next checkpoint tries."""
+        """Wait for the checkpoint just started (reported once committed), and end this placement on every
+        rank (the driver resumes the run from it elsewhere). A failed save keeps the placement: the next
+        checkpoint tries again."""
         result = self.checkpointer.wait()
-        self._report_finished(result)
+        self._log_failure(result)
         if result is None or not result.committed:
             return
+        self._drain_reports()  # Ray knows this checkpoint before the placement ends
         self._placement.acknowledge(result.step)
         self.log(f"placement ends at the checkpoint of step {result.step} (moving to spot)")
         raise PlacementEnded(result.step)
 
-    def _retain(self, result: SaveResult) -> None:
-        """After a commit (background thread, rank 0 alone): keep the newest `checkpoint.keep`."""
+    def _on_commit(self, result: SaveResult) -> None:
+        """After a commit, on every rank, in the save's background thread: queue the report to Ray, then
+        prune (rank 0).
+
+        Reports go through a thread of their own: Ray Train's report is a barrier across workers through an
+        actor and waits for the controller to take the previous one, which was seen taking 1.8 s with saves
+        a second apart. Neither the loop nor the next save waits for it; reports stay in order."""
+        self._reports.put(result)
         if self.is_chief:
             pruned = self.store.retain(self.spec.checkpoint.keep, self.spec.checkpoint.keep_every)
             if pruned:
                 self.log(f"retention: pruned checkpoints at steps {', '.join(map(str, pruned))}")
 
-    def _report_finished(self, result: SaveResult | None, final: bool = False) -> None:
+    def _report_loop(self) -> None:
+        while True:
+            result = self._reports.get()
+            try:
+                self._report(result)
+            except BaseException as err:  # kept for the next drain: the training thread raises it
+                self._report_error = err
+            finally:
+                self._reports.task_done()
+
+    def _drain_reports(self) -> None:
+        """Wait until Ray has been told of every committed checkpoint."""
+        self._reports.join()
+        if self._report_error is not None:
+            error, self._report_error = self._report_error, None
+            raise error
+
+    def _report(self, result: SaveResult) -> None:
         """Tell Ray Train of a committed checkpoint (already written: no upload). All ranks call this."""
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
-        metrics = self._pending_metrics
-        if result is None or metrics is None:
-            return
-        self._pending_metrics = None
-        if not result.committed:
-            self.log(f"checkpoint at step {result.step} FAILED after {result.attempts} attempts: {result.error}")
-            if final:
-                raise RuntimeError(f"final checkpoint at step {result.step} failed: {result.error}")
+        with self._report_lock:
+            metrics = self._unreported.pop(result.step, None)
+        if metrics is None:
             return
         name = CheckpointStore.folder_name(result.step)
         checkpoint = None
@@ -393,6 +426,17 @@ class Session:
                          checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         self.log(f"checkpoint at step {result.step} committed (stall {result.blocked_seconds * 1000:.1f} ms, "
                  f"write {result.total_seconds:.2f} s): {_format(metrics)}")
+
+    def _log_failure(self, result: SaveResult | None) -> None:
+        if result is not None and not result.committed:
+            with self._report_lock:
+                self._unreported.pop(result.step, None)
+            self.log(f"checkpoint at step {result.step} FAILED after {result.attempts} attempts: {result.error}")
+
+    def _raise_if_failed(self, result: SaveResult | None) -> None:
+        if result is not None and not result.committed:
+            self._log_failure(result)
+            raise RuntimeError(f"final checkpoint at step {result.step} failed: {result.error}")
 
 
 def _run_uri(spec: JobSpec, storage) -> str:

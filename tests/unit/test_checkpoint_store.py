@@ -231,7 +231,7 @@ def test_a_crash_between_marker_and_shards_leaves_the_latest_loadable(store, run
     real_rm = store.fs.rm
 
     def crashing_rm(path, recursive=False, **kwargs):
-        if str(path).endswith(".distcp"):
+        if any(str(p).endswith(".distcp") for p in (path if isinstance(path, list) else [path])):
             raise OSError("simulated crash: the process died before the shards were removed")
         return real_rm(path, recursive=recursive, **kwargs)
 
