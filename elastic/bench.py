@@ -19,7 +19,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 MB = 1024 * 1024
 OVERHEAD_RESULT = "bench-overhead.json"

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from moto_helpers import running_moto
 
 pytestmark = pytest.mark.integration
 
@@ -34,66 +32,15 @@ REGION = "us-west-2"
 BUCKET = "my-elastic-checkpoints"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    import socket
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto_server exited with status {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"moto_server did not listen on port {port} within {timeout:.0f} s")
-
-
 @pytest.fixture(scope="module")
 def moto_aws(tmp_path_factory):
     """moto's server (EC2, IAM, S3...) for the module, with the AWS environment and a temporary HOME (Ray writes
     the generated SSH key to ~/.ssh) in os.environ, restored afterwards."""
-    port = _free_port()
     home = tmp_path_factory.mktemp("home")
-    logs = tmp_path_factory.mktemp("moto")
-    env = {**os.environ, "MOTO_IAM_LOAD_MANAGED_POLICIES": "true"}
-    with open(logs / "moto.log", "wb") as log:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        _wait_for_port(port, proc)
-        settings = {
-            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_REGION": REGION,
-            "AWS_DEFAULT_REGION": REGION,
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "HOME": str(home),
-        }
-        with pytest.MonkeyPatch.context() as patch:
-            for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE",
-                         "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_EC2", "AWS_ENDPOINT_URL_IAM"):
-                patch.delenv(name, raising=False)
-            for name, value in settings.items():
-                patch.setenv(name, value)
-            yield settings
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    with running_moto(tmp_path_factory.mktemp("moto"), region=REGION,
+                      server_env={"MOTO_IAM_LOAD_MANAGED_POLICIES": "true"},
+                      extra={"AWS_DEFAULT_REGION": REGION, "HOME": str(home)}) as settings:
+        yield settings
 
 
 def _create_instance_profiles() -> None:

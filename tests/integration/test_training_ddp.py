@@ -4,7 +4,6 @@ skipped by both ranks, whose parameters stay identical; accumulation syncs gradi
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def _rank(rank: int, world: int, port: int, out: str, precision: str) -> None:
+def _rank(rank: int, world: int, store: str, out: str, precision: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -20,7 +19,8 @@ def _rank(rank: int, world: int, port: int, out: str, precision: str) -> None:
     from elastic.spec import TrainSpec
     from elastic.training import NonFiniteGuard, OptimizerStep, grad_scaler
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A file store: no port picked ahead of time that another process could take in between.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -47,11 +47,8 @@ def _rank(rank: int, world: int, port: int, out: str, precision: str) -> None:
 def test_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path, precision):
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out = tmp_path / "result.json"
-    mp.spawn(_rank, args=(2, port, str(out), precision), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(out), precision), nprocs=2, join=True)
     ranks = json.loads(out.read_text())
     assert [r["outcomes"] for r in ranks] == [[True, False, True, True]] * 2
     assert ranks[0]["params"] == ranks[1]["params"]  # still replicas
