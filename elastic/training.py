@@ -153,8 +153,12 @@ class NonFiniteGuard:
 
 
 def _gradients_finite(optimizer: torch.optim.Optimizer) -> bool:
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+    """A non-finite loss is multiplied by NaN before backward, so every gradient it reaches is NaN in every
+    element, on every rank once all-reduced: one element per tensor tells, where a norm over all of them cost
+    a pass over the model each step."""
+    probes = [p.grad.reshape(-1)[:1] for group in optimizer.param_groups for p in group["params"]
+              if p.grad is not None and p.grad.numel()]
+    return not probes or bool(torch.isfinite(torch.cat(probes)).all())
 
 
 class OptimizerStep:
@@ -180,9 +184,12 @@ class OptimizerStep:
         finite = bool(torch.isfinite(loss.detach()).all())
         self._nonfinite |= not finite
         if not finite and self._agree_through_gradients:
-            # Make sure the gradients carry the news: DDP's all-reduce then spreads NaN to every rank.
+            # Make every gradient it reaches NaN (an inf loss can leave some finite): DDP's all-reduce then
+            # spreads the news to every rank.
             loss = loss * float("nan")
-        scaled = self.scaler.scale(loss / self.spec.grad_accumulation)
+        if self.spec.grad_accumulation > 1:
+            loss = loss / self.spec.grad_accumulation
+        scaled = self.scaler.scale(loss)
         # Every rank runs backward even on a NaN loss: DDP's all-reduce is collective.
         sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
         with sync:
