@@ -8,6 +8,7 @@ moto's server. Everything outlives the command that started it; the state file r
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -128,6 +130,19 @@ def _save_state(state: LocalState) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state.to_json(), indent=2))
     tmp.replace(path)
+
+
+@contextmanager
+def state_lock():
+    """Serialises read-modify-write of the state file (a node added while another is being killed)."""
+    path = state_path().with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def is_running(state: LocalState) -> bool:
@@ -305,11 +320,15 @@ def add_node(market: str, cpus: int | None = None, gpus: int | None = None, time
     os.environ["RAY_AUTH_MODE"] = AUTH_MODE  # this process polls the stack's dashboard
     env = {**state.env(), "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     launched = _start_node(_binary("ray", "ray[default]"), node, state, env, home_dir() / "local" / "logs")
-    state.roots.append(launched.to_dict())
-    _save_state(state)  # first, so `down` stops it even if it never joins
+    with state_lock():  # first, so `down` stops it even if it never joins
+        state = load_state() or state
+        state.roots.append(launched.to_dict())
+        _save_state(state)
     joined = _wait_for_nodes(state, [node], timeout)[0]
-    state.nodes.append(joined)
-    _save_state(state)
+    with state_lock():
+        state = load_state() or state
+        state.nodes.append(joined)
+        _save_state(state)
     return joined
 
 

@@ -31,9 +31,10 @@ from typing import Callable
 from elastic.labels import MARKET_LABEL, ROLE_LABEL, WORKER_ROLE, worker_selector
 from elastic.spec import WorkersSpec
 
-SPOT, ON_DEMAND = "spot", "on-demand"
+SPOT, ON_DEMAND, ANY = "spot", "on-demand", "any"
 REQUEST_FILE = "elastic-placement-request.json"
 ENDED_FILE = "elastic-placement-ended.json"
+RUNNING_FILE = "elastic-placement-running.json"
 POLL_SECONDS_VARIABLE = "ELASTIC_PLACEMENT_POLL_SECONDS"
 DEFAULT_POLL_SECONDS = 5.0
 
@@ -81,7 +82,7 @@ def worker_slots(nodes: list[NodeView], workers: WorkersSpec, market: str) -> in
     need = worker_resources(workers)
     total = 0
     for node in nodes:
-        if node.draining or not node.is_worker or node.market != market:
+        if node.draining or not node.is_worker or (market != ANY and node.market != market):
             continue
         # A little slack: Ray reports fractional resources as floats (0.1 * 10 is not 1.0).
         total += min(math.floor(node.available.get(name, 0.0) / amount + 1e-9) for name, amount in need.items())
@@ -112,6 +113,31 @@ def decide_swap(workers: WorkersSpec, nodes: list[NodeView]) -> Decision:
     return Decision("stay", f"{slots} of {workers.min} spot worker slot(s) free", slots)
 
 
+def decide_workers(workers: WorkersSpec, nodes: list[NodeView], market: str) -> Decision:
+    """How many workers a new placement on `market` starts with: as many as fit, up to max (action start), or
+    wait while fewer than min fit (a reclaimed node not yet replaced)."""
+    slots = worker_slots(nodes, workers, market)
+    if slots >= workers.min:
+        count = min(slots, workers.max_workers)
+        return Decision("start", f"{count} worker(s) on {market} nodes ({slots} slot(s) free)", count)
+    return Decision("wait", f"waiting for capacity: {slots} of {workers.min} worker slot(s) free on {market} nodes "
+                            "(a reclaimed node not yet replaced?)", slots)
+
+
+def decide_grow(workers: WorkersSpec, nodes: list[NodeView], market: str, running: int | None) -> Decision:
+    """While an elastic placement runs below max: grow once free slots for more workers exist."""
+    slots = worker_slots(nodes, workers, market)
+    if running is None:
+        return Decision("stay", "worker group not running yet", slots)
+    if running >= workers.max_workers:
+        return Decision("stay", f"at max ({running} workers)", slots)
+    if slots >= 1:
+        target = min(workers.max_workers, running + slots)
+        return Decision("grow", f"capacity for {target - running} more worker(s) on {market} nodes; growing "
+                                f"{running} -> {target} at the next checkpoint", slots)
+    return Decision("stay", f"{running} of {workers.max_workers} workers, no free slot on {market} nodes", slots)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Control objects in the run folder
 
@@ -129,28 +155,40 @@ class PlacementControl:
 
         self.fs, self.root = fsspec_filesystem(run_uri.rstrip("/"))
 
-    def request_end(self, placement_id: str, to_market: str, reason: str) -> None:
-        self._write(REQUEST_FILE, {"placement": placement_id, "to": to_market, "reason": reason,
-                                   "time": time.time()})
+    def request_end(self, placement_id: str, kind: str, reason: str) -> None:
+        """Ask placement `placement_id` to end at its next checkpoint; kind: swap (to spot) or grow."""
+        self._write(REQUEST_FILE, {"placement": placement_id, "kind": kind, "reason": reason, "time": time.time()})
 
     def cancel_request(self) -> None:
         self._remove(REQUEST_FILE)
 
-    def end_requested(self, placement_id: str) -> bool:
+    def end_request(self, placement_id: str) -> dict | None:
         request = self._read(REQUEST_FILE)
-        return request is not None and request.get("placement") == placement_id
+        return request if request is not None and request.get("placement") == placement_id else None
 
-    def acknowledge(self, placement_id: str, step: int) -> None:
-        self._write(ENDED_FILE, {"placement": placement_id, "step": step, "time": time.time()})
+    def end_requested(self, placement_id: str) -> bool:
+        return self.end_request(placement_id) is not None
+
+    def acknowledge(self, placement_id: str, step: int, kind: str) -> None:
+        """The placement ended at the checkpoint of `step`; kind: swap | grow | preemption."""
+        self._write(ENDED_FILE, {"placement": placement_id, "step": step, "kind": kind, "time": time.time()})
 
     def ended(self, placement_id: str) -> dict | None:
-        """The acknowledgement of placement `placement_id`, if it ended on request."""
+        """The acknowledgement of placement `placement_id`, if it ended on request or at a reclaim notice."""
         ended = self._read(ENDED_FILE)
         return ended if ended is not None and ended.get("placement") == placement_id else None
 
+    def running(self, placement_id: str, world_size: int) -> None:
+        """Rank 0 of a placement's (re)started worker group: how many workers it got."""
+        self._write(RUNNING_FILE, {"placement": placement_id, "world_size": world_size, "time": time.time()})
+
+    def world_size(self, placement_id: str) -> int | None:
+        running = self._read(RUNNING_FILE)
+        return int(running["world_size"]) if running is not None and running.get("placement") == placement_id else None
+
     def clear(self) -> None:
-        self._remove(REQUEST_FILE)
-        self._remove(ENDED_FILE)
+        for name in (REQUEST_FILE, ENDED_FILE, RUNNING_FILE):
+            self._remove(name)
 
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -188,40 +226,63 @@ class PlacementEnded(BaseException):
 
 
 class NoPlacementWatch:
-    """Null object: this placement is never asked to end (not spot-first, already on spot, or swap off)."""
+    """Null object: no driver placement around this session (Ray Train used directly). Nothing asks it to end,
+    and it cannot end itself: after a just-in-time checkpoint Ray's own restart takes over."""
+
+    can_end = False
 
     def end_requested(self) -> bool:
         return False
 
-    def acknowledge(self, step: int) -> None:
+    def acknowledge(self, step: int, reason: str | None = None) -> str:
+        return reason or "ended"
+
+    def running(self, world_size: int) -> None:
         pass
 
 
 class PlacementWatch:
-    """Session side: rank 0 reads the request object, every rank gets the same answer (a broadcast on the
-    default process group, from the training thread, so it never races the checkpoint group's collectives)."""
+    """Session side of a placement the driver started. Rank 0 reads the request object, every rank gets the
+    same answer (a broadcast on the default process group, from the training thread, so it never races the
+    checkpoint group's collectives). Only an endable placement (swappable or resizable) polls for requests."""
 
-    def __init__(self, control: PlacementControl, placement_id: str, rank: int):
-        self.control, self.placement_id, self.rank = control, placement_id, rank
+    can_end = True
+
+    def __init__(self, control: PlacementControl, placement_id: str, rank: int, endable: bool):
+        self.control, self.placement_id, self.rank, self.endable = control, placement_id, rank, endable
+        self._kind = "ended"
 
     def end_requested(self) -> bool:
         import torch.distributed as dist
 
-        answer = [self.control.end_requested(self.placement_id) if self.rank == 0 else None]
+        if not self.endable:
+            return False
+        request = self.control.end_request(self.placement_id) if self.rank == 0 else None
+        answer = [request.get("kind", "ended") if request else None]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(answer, src=0)
+        if answer[0]:
+            self._kind = answer[0]
         return bool(answer[0])
 
-    def acknowledge(self, step: int) -> None:
+    def acknowledge(self, step: int, reason: str | None = None) -> str:
+        kind = reason or self._kind
         if self.rank == 0:
-            self.control.acknowledge(self.placement_id, step)
+            self.control.acknowledge(self.placement_id, step, kind)
+        return {"swap": "moving to spot", "grow": "growing the worker group",
+                "preemption": "a node is being reclaimed"}.get(kind, kind)
+
+    def running(self, world_size: int) -> None:
+        if self.rank == 0:
+            self.control.running(self.placement_id, world_size)
 
 
 def placement_watch(payload: dict | None, run_uri: str, rank: int):
     """The session's watch for the placement the driver described in the train loop config (or a null one)."""
-    if not payload or not payload.get("swappable"):
+    if not payload:
         return NoPlacementWatch()
-    return PlacementWatch(PlacementControl(run_uri), payload["id"], rank)
+    endable = bool(payload.get("swappable") or payload.get("resizable"))
+    return PlacementWatch(PlacementControl(run_uri), payload["id"], rank, endable)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -317,7 +378,7 @@ class SwapWatcher:
     def poll_once(self) -> Decision:
         decision = decide_swap(self.workers, self.observe())
         if decision.action == "swap" and not self.requested:
-            self.control.request_end(self.placement_id, SPOT, decision.reason)
+            self.control.request_end(self.placement_id, "swap", decision.reason)
             self.requested = True
             log_decision(decision)
         elif decision.action == "stay" and self.requested and self.control.ended(self.placement_id) is None:
@@ -325,6 +386,84 @@ class SwapWatcher:
             self.requested = False
             log_decision(Decision("stay", f"spot capacity went away before the checkpoint ({decision.reason}); "
                                           "request withdrawn", decision.spot_slots))
+        return decision
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception as err:  # loop boundary: a failed poll (GCS hiccup, S3 error) retries next time
+                print(f"[elastic] placement: capacity poll failed ({type(err).__name__}: {err})", flush=True)
+            self._stop.wait(self.poll_seconds)
+
+
+def wait_for_workers(workers: WorkersSpec, market: str, observe: Callable[[], list[NodeView]] = observe_nodes,
+                     sleep: Callable[[float], None] = time.sleep, poll_seconds: float = 0.5,
+                     announce_every: int = 60) -> Decision:
+    """Poll until decide_workers says start. Polls briefly: right after a placement ends its workers' resources
+    are being released, and every second spent here is a second not training. Logs the wait now and then."""
+    polls = 0
+    while True:
+        try:
+            nodes = observe()
+        except Exception as err:  # loop boundary: a failed poll (GCS hiccup) counts as no capacity seen
+            print(f"[elastic] placement: capacity poll failed ({type(err).__name__}: {err})", flush=True)
+            nodes = []
+        decision = decide_workers(workers, nodes, market)
+        # Logged from the fourth poll on: a released group's slots normally show up within a few polls.
+        if decision.action == "start" or polls % announce_every == 3:
+            log_decision(decision)
+        if decision.action == "start":
+            return decision
+        polls += 1
+        sleep(poll_seconds)
+
+
+@dataclass
+class GrowWatcher:
+    """Background thread of the driver while an elastic placement runs below max: once free capacity for more
+    workers has been seen steadily for `steady_seconds`, ask the placement to end at its next checkpoint (the
+    driver restarts it larger). A reading that flips back resets the clock, so nothing flaps."""
+
+    workers: WorkersSpec
+    control: PlacementControl
+    placement_id: str
+    market: str
+    observe: Callable[[], list[NodeView]] = observe_nodes
+    poll_seconds: float = DEFAULT_POLL_SECONDS
+    clock: Callable[[], float] = time.monotonic
+    requested: bool = False
+    _since: float | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> "GrowWatcher":
+        self._thread = threading.Thread(target=self._run, name="elastic-grow-watcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def poll_once(self) -> Decision:
+        decision = decide_grow(self.workers, self.observe(), self.market,
+                               self.control.world_size(self.placement_id))
+        now = self.clock()
+        if decision.action == "grow":
+            self._since = now if self._since is None else self._since
+            if not self.requested and now - self._since >= self.workers.regrow_after_seconds:
+                self.control.request_end(self.placement_id, "grow", decision.reason)
+                self.requested = True
+                log_decision(decision)
+        else:
+            self._since = None
+            if self.requested and self.control.ended(self.placement_id) is None:
+                self.control.cancel_request()
+                self.requested = False
+                log_decision(Decision("stay", f"capacity went away before the checkpoint ({decision.reason}); "
+                                              "request withdrawn", decision.spot_slots))
         return decision
 
     def _run(self) -> None:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from elastic.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.chaos import Chaos
 from elastic.checkpoint import CheckpointStore, SaveResult, ShardedCheckpointer
+from elastic.jit import JustInTime, NoJustInTime
 from elastic.labels import MARKET_LABEL
 from elastic.placement import PlacementEnded, placement_watch
 from elastic.spec import CheckpointSpec, JobSpec
@@ -109,8 +110,10 @@ class Session:
         self._cadence = CheckpointCadence(spec.checkpoint)
         self._chaos = Chaos(self.store, self.rank)
         self.checkpointer.fault_hook = self._chaos.maybe_kill_in_save
-        # spot-first on on-demand: the driver may ask this placement to end at a checkpoint (else a null object)
+        # The driver may ask this placement to end at a checkpoint (spot-first moving to spot, an elastic run
+        # growing); a reclaim notice ends it at a just-in-time checkpoint.
         self._placement = placement_watch(placement, self.store.run_uri, self.rank)
+        self._jit = self._just_in_time(spec)
         self._ledger = SampleLedger(self.store.fs, self.store.root, self.rank, self.world_size, 0, attempt="") \
             if audit_enabled() else NoLedger()
         self._model: torch.nn.Module | None = None
@@ -202,6 +205,7 @@ class Session:
         if self._checkpoint_group is not None:
             dist.barrier(group=self._checkpoint_group)
         self._start_ledger(latest.step if latest is not None else 0)
+        self._placement.running(self.world_size)
         if latest is None:
             return 0
         state = self._template()
@@ -238,7 +242,9 @@ class Session:
         self.step_count += 1
         self._ledger.on_step(self.step_count, metrics)
         self._chaos.maybe_kill(self.step_count)
-        if self._checkpoint_due():
+        if self._jit.due(self.step_count):
+            self._end_just_in_time(metrics)
+        elif self._checkpoint_due():
             self.checkpoint(metrics)
             if self._placement.end_requested():
                 self._end_placement()
@@ -374,8 +380,41 @@ class Session:
         if result is None or not result.committed:
             return
         self._drain_reports()  # Ray knows this checkpoint before the placement ends
-        self._placement.acknowledge(result.step)
-        self.log(f"placement ends at the checkpoint of step {result.step} (moving to spot)")
+        reason = self._placement.acknowledge(result.step)
+        self.log(f"placement ends at the checkpoint of step {result.step} ({reason})")
+        raise PlacementEnded(result.step)
+
+    def _just_in_time(self, spec: JobSpec):
+        if not spec.checkpoint.just_in_time:
+            return NoJustInTime()
+        group = dist.new_group(backend="gloo") if dist.is_initialized() else None  # its own: never races saves
+        return JustInTime(self.rank, group, spec.checkpoint.jit_margin_seconds, self.log,
+                          in_flight=lambda: self.checkpointer.in_flight)
+
+    def _end_just_in_time(self, metrics: dict | None) -> None:
+        """A node of this run is being reclaimed and the deadline is near: save now (every rank), wait for the
+        commit and Ray's report, and end the placement. The driver resumes the run from this checkpoint on the
+        nodes that remain (or a replacement); no step taken is lost. If the save fails, training goes on and
+        Ray's own restart from the last checkpoint remains."""
+        started = time.monotonic()
+        self._log_failure(self.checkpointer.wait())
+        self.checkpoint(metrics, asynchronous=False)
+        result = self.checkpointer.wait()
+        self._log_failure(result)
+        if result is None or not result.committed:
+            return
+        self._drain_reports()
+        left = self._jit.seconds_to_deadline()
+        self.log(f"just-in-time checkpoint at step {result.step} committed in {time.monotonic() - started:.2f} s"
+                 + (f", {left:.1f} s before the deadline" if left is not None else "")
+                 + "; ending this placement (no step lost)")
+        if not self._placement.can_end:
+            # No driver around this run to resume it: wait (no further steps, they would be lost) until Ray
+            # Train tears the group down at the deadline and restarts it from this checkpoint.
+            self.log("no elastic driver: waiting for Ray Train's restart from this checkpoint")
+            while True:
+                time.sleep(1.0)
+        self._placement.acknowledge(result.step, reason="preemption")
         raise PlacementEnded(result.step)
 
     def _on_commit(self, result: SaveResult) -> None:
@@ -386,6 +425,7 @@ class Session:
         actor and waits for the controller to take the previous one, which was seen taking 1.8 s with saves
         a second apart. Neither the loop nor the next save waits for it; reports stay in order."""
         self._reports.put(result)
+        self._jit.saved(result.total_seconds)
         if self.is_chief:
             pruned = self.store.retain(self.spec.checkpoint.keep, self.spec.checkpoint.keep_every)
             if pruned:

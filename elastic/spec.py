@@ -50,6 +50,11 @@ class WorkersSpec(_Frozen):
         description="spot-first: once on on-demand, move the workers to spot at the next checkpoint when spot "
                     "capacity returns (no step is lost: the run resumes from that checkpoint).",
     )
+    regrow_after_seconds: float = Field(
+        default=10.0, ge=0,
+        description="Elastic runs below max: grow at the next checkpoint once free capacity for more workers "
+                    "has been seen this long (a steady reading, so a node coming and going causes no resize).",
+    )
 
     @field_validator("max")
     @classmethod
@@ -81,6 +86,15 @@ class CheckpointSpec(_Frozen):
     keep_every: Optional[int] = Field(
         default=None, ge=1,
         description="Also keep every committed checkpoint whose step is a multiple of N (milestones).",
+    )
+    just_in_time: bool = Field(
+        default=True,
+        description="When a node of the run is being reclaimed (a Ray drain, e.g. from a spot notice), keep "
+                    "training until just before the deadline, save once, and resume elsewhere from that save.",
+    )
+    jit_margin_seconds: float = Field(
+        default=3.0, ge=0,
+        description="Safety margin: the just-in-time save is planned to commit this long before the deadline.",
     )
 
     @model_validator(mode="after")

@@ -29,19 +29,29 @@ SUMMARY_FILE = "elastic-summary.json"
 # Pure translations from spec to Ray config
 
 
-def scaling_config(workers: WorkersSpec, market: str | None = None):
-    """`market` overrides workers.market: spot-first runs each placement on spot or on-demand."""
+# Ray's own resize of a running elastic group restarts it from the last checkpoint, losing the steps since,
+# and was seen flapping 2 -> 1 -> 2 with both nodes up (its capacity view ignores node labels and drains).
+# The driver grows a placement itself, at a checkpoint (placement.GrowWatcher); Ray's running resize is off.
+NO_RUNNING_RESIZE_SECONDS = 10**9
+
+
+def scaling_config(workers: WorkersSpec, market: str | None = None, count: int | None = None):
+    """`market` overrides workers.market (spot-first runs each placement on spot or on-demand); `count` caps
+    an elastic run at the workers the driver found room for (Ray may still start fewer, down to min, after a
+    failure inside the placement)."""
     from ray.train import ScalingConfig
 
     resources = {"CPU": workers.cpus}
     if workers.gpus:
         resources["GPU"] = workers.gpus
-    num_workers: int | tuple[int, int] = (workers.min, workers.max_workers) if workers.elastic else workers.min
+    high = min(count, workers.max_workers) if count is not None else workers.max_workers
+    num_workers: int | tuple[int, int] = (workers.min, high) if high > workers.min else workers.min
     return ScalingConfig(
         num_workers=num_workers,
         use_gpu=workers.gpus > 0,
         resources_per_worker=resources,
         label_selector=worker_selector(market or workers.market),
+        elastic_resize_monitor_interval_s=NO_RUNNING_RESIZE_SECONDS,
     )
 
 
@@ -73,7 +83,8 @@ def build_trainer(spec: JobSpec, run_name: str, placement: Placement | None = No
         train_loop_config={"spec": spec.model_dump(mode="json"), "run_name": run_name,
                            "placement": asdict(placement) if placement else None},
         torch_config=TorchConfig(backend=torch_backend(spec.workers, logical_gpus)),
-        scaling_config=scaling_config(spec.workers, placement.market if placement else None),
+        scaling_config=scaling_config(spec.workers, placement.market if placement else None,
+                                      placement.workers if placement else None),
         run_config=RunConfig(
             name=run_name,
             storage_path=storage_path,
@@ -99,6 +110,8 @@ class Placement:
     market: str
     swappable: bool
     reason: str
+    workers: int | None = None  # started with (the driver's count of free slots, capped at max)
+    resizable: bool = False  # elastic and below max: the driver may end it at a checkpoint to grow
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,9 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
         raise ClusterError("no Ray cluster to run on; start one with `elastic local up` or set RAY_ADDRESS") from None
     run_uri = run_directory(spec, run_name)
     workers = spec.workers
+    # Ray Train looks for drains of the run's nodes every 5 s by default: a 30 s GCP/Azure notice would lose a
+    # sixth of its window before the just-in-time checkpoint is even planned. Ray propagates it to its actors.
+    os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
     print(f"[elastic] run {run_name}: {workers.min}"
           + (f"..{workers.max_workers}" if workers.elastic else "")
           + f" workers on {workers.market} nodes, checkpoints in {run_uri}", flush=True)
@@ -136,10 +152,7 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
     checkpoint: str | None = None
     placements: list[dict] = []
     try:
-        if workers.market == "spot-first":
-            result = _fit_spot_first(spec, run_name, run_uri, placements)
-        else:
-            result = build_trainer(spec, run_name).fit()
+        result = _run_placements(spec, run_name, run_uri, placements)
         metrics = dict(result.metrics or {})
         checkpoint = _checkpoint_uri(spec, result.checkpoint)
     except Exception as err:  # the run's own failure: reported in the summary and the job status
@@ -161,30 +174,48 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
     return summary
 
 
-def _fit_spot_first(spec: JobSpec, run_name: str, run_uri: str, placements: list[dict]):
-    """Spot-first: wait up to spot_wait_seconds for spot capacity, else run on on-demand; while on on-demand (and
-    swap_to_spot), a watcher asks the placement to end at its next checkpoint once spot capacity is back, and
-    the run continues on spot from that checkpoint. Each step of this is logged with its reason."""
+def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list[dict]):
+    """The driver loop: one fit() per placement, until one finishes the run.
+
+    A placement ends early, always at a committed checkpoint and with no step lost, when
+    - a node of the run is being reclaimed (the sessions' just-in-time checkpoint): the run continues on what
+      remains, shrunk if elastic, or waits for a replacement node if its worker count is fixed; counted
+      against failure.max_preemptions;
+    - spot-first runs on on-demand and spot capacity is back (SwapWatcher): it moves to spot;
+    - an elastic run is below max and capacity for more workers has held steady (GrowWatcher): it grows.
+    Each decision is logged with its reason."""
     from elastic import placement as policy
 
     workers = spec.workers
     poll = float(os.environ.get(policy.POLL_SECONDS_VARIABLE) or policy.DEFAULT_POLL_SECONDS)
     control = policy.PlacementControl(run_uri)
     control.clear()  # leftovers of an earlier job of this run name
-    policy.hint_spot_demand(workers)
-    decision = policy.wait_for_spot(workers, poll_seconds=poll)
+    spot_first = workers.market == "spot-first"
+    market, why = (None, "") if spot_first else (workers.market, f"workers.market is {workers.market}")
+    preemptions = 0
     try:
         while True:
-            current = Placement(id=policy.new_placement_id(), market=decision.action,
-                                swappable=decision.action == policy.ON_DEMAND and workers.swap_to_spot,
-                                reason=decision.reason)
-            if not current.swappable:
+            if market is None:  # spot-first: at start and after a reclaim, spot if it comes within the wait
+                policy.hint_spot_demand(workers)
+                decision = policy.wait_for_spot(workers, poll_seconds=poll)
+                market, why = decision.action, decision.reason
+            sized = policy.wait_for_workers(workers, market)
+            swappable = spot_first and market == policy.ON_DEMAND and workers.swap_to_spot
+            current = Placement(id=policy.new_placement_id(), market=market, swappable=swappable, reason=why,
+                                workers=sized.spot_slots,
+                                resizable=workers.elastic and sized.spot_slots < workers.max_workers)
+            if spot_first and not swappable:
                 policy.hint_spot_demand(workers, on=False)  # on spot now, or staying on on-demand
-            record = {"market": current.market, "reason": current.reason, "started": time.time()}
+            record = {"market": current.market, "workers": current.workers, "reason": current.reason,
+                      "started": time.time()}
             placements.append(record)
-            print(f"[elastic] placement {current.id}: workers on {current.market} nodes", flush=True)
-            watcher = policy.SwapWatcher(workers, control, current.id, poll_seconds=poll).start() \
-                if current.swappable else None
+            print(f"[elastic] placement {current.id}: {current.workers} worker(s) on {current.market} nodes",
+                  flush=True)
+            watcher = None
+            if current.swappable:
+                watcher = policy.SwapWatcher(workers, control, current.id, poll_seconds=poll).start()
+            elif current.resizable:
+                watcher = policy.GrowWatcher(workers, control, current.id, market, poll_seconds=poll).start()
             try:
                 result = build_trainer(spec, run_name, current).fit()
             finally:
@@ -193,13 +224,32 @@ def _fit_spot_first(spec: JobSpec, run_name: str, run_uri: str, placements: list
             ended = control.ended(current.id)
             control.clear()
             if ended is None:
-                return result  # the run finished (or a swap was asked for too late to matter)
-            record["ended_at_step"] = ended["step"]
-            print(f"[elastic] placement {current.id}: on-demand workers ended at the checkpoint of step "
-                  f"{ended['step']}; resuming from it on spot", flush=True)
-            decision = policy.Decision(policy.SPOT, f"swapped from on-demand at step {ended['step']}")
+                return result  # the run finished (or an end was asked for too late to matter)
+            kind = ended.get("kind", "swap")
+            record.update(ended_at_step=ended["step"], ended_by=kind)
+            if kind == "preemption":
+                preemptions += 1
+                print(f"[elastic] placement {current.id}: a node is being reclaimed; ended at the just-in-time "
+                      f"checkpoint of step {ended['step']} (preemption {preemptions}"
+                      + (f" of {spec.failure.max_preemptions}" if spec.failure.max_preemptions >= 0 else "")
+                      + "); resuming from it", flush=True)
+                if 0 <= spec.failure.max_preemptions < preemptions:
+                    raise RuntimeError(f"preempted {preemptions} times, over failure.max_preemptions "
+                                       f"({spec.failure.max_preemptions}); raise it to keep going")
+                why = f"resumed after a reclaim at step {ended['step']}"
+                if spot_first:
+                    market = None
+            elif kind == "swap":
+                print(f"[elastic] placement {current.id}: on-demand workers ended at the checkpoint of step "
+                      f"{ended['step']}; resuming from it on spot", flush=True)
+                market, why = policy.SPOT, f"swapped from on-demand at step {ended['step']}"
+            else:
+                print(f"[elastic] placement {current.id}: ended at the checkpoint of step {ended['step']} to grow",
+                      flush=True)
+                why = f"grown at step {ended['step']}"
     finally:
-        policy.hint_spot_demand(workers, on=False)
+        if spot_first:
+            policy.hint_spot_demand(workers, on=False)
 
 
 def read_summary(spec: JobSpec, run_name: str) -> dict | None:

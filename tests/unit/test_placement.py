@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.placement import (NodeView, PlacementControl, PlacementWatch, SwapWatcher, decide_start, decide_swap,
-                               placement_watch, NoPlacementWatch, wait_for_spot, worker_slots)
+from elastic.placement import (GrowWatcher, NodeView, PlacementControl, PlacementWatch, SwapWatcher, decide_grow,
+                               decide_start, decide_swap, decide_workers, placement_watch, NoPlacementWatch,
+                               wait_for_spot, wait_for_workers, worker_slots)
 from elastic.spec import WorkersSpec
 
 
@@ -148,24 +149,32 @@ def test_wait_for_spot_survives_a_failed_poll(capsys):
 def test_control_objects_round_trip_and_ids_make_stale_ones_harmless(tmp_path):
     control = PlacementControl(str(tmp_path / "run"))
     assert not control.end_requested("p1") and control.ended("p1") is None
-    control.request_end("p1", "spot", "because")
+    control.request_end("p1", "swap", "because")
     assert control.end_requested("p1") and not control.end_requested("p2")
-    control.acknowledge("p1", 40)
+    assert control.end_request("p1")["kind"] == "swap"
+    control.acknowledge("p1", 40, "swap")
     assert control.ended("p1")["step"] == 40 and control.ended("p2") is None
+    control.running("p1", 3)
+    assert control.world_size("p1") == 3 and control.world_size("p2") is None
     control.clear()
     assert not control.end_requested("p1") and control.ended("p1") is None
     control.cancel_request()  # nothing to cancel: no error
 
 
-def test_session_watch_is_a_null_object_unless_the_placement_is_swappable(tmp_path):
-    assert isinstance(placement_watch(None, str(tmp_path), 0), NoPlacementWatch)
-    assert isinstance(placement_watch({"id": "p", "market": "spot", "swappable": False}, str(tmp_path), 0),
-                      NoPlacementWatch)
+def test_session_watch_polls_only_endable_placements_and_any_placement_can_end_itself(tmp_path):
+    none = placement_watch(None, str(tmp_path), 0)
+    assert isinstance(none, NoPlacementWatch) and not none.can_end  # Ray Train used without our driver
+    fixed = placement_watch({"id": "q", "market": "spot", "swappable": False}, str(tmp_path), 0)
+    PlacementControl(str(tmp_path)).request_end("q", "grow", "test")
+    assert fixed.can_end and not fixed.end_requested()  # nothing may ask it to end...
+    assert fixed.acknowledge(7, reason="preemption") == "a node is being reclaimed"  # ...but a reclaim ends it
+    ended = PlacementControl(str(tmp_path)).ended("q")
+    assert (ended["step"], ended["kind"]) == (7, "preemption")
     watch = placement_watch({"id": "p", "market": "on-demand", "swappable": True}, str(tmp_path), 0)
     assert isinstance(watch, PlacementWatch) and not watch.end_requested()
-    PlacementControl(str(tmp_path)).request_end("p", "spot", "test")
+    PlacementControl(str(tmp_path)).request_end("p", "swap", "test")
     assert watch.end_requested()  # no process group: rank 0's answer alone
-    watch.acknowledge(12)
+    assert watch.acknowledge(12) == "moving to spot"
     assert PlacementControl(str(tmp_path)).ended("p")["step"] == 12
     placement_watch({"id": "p", "swappable": True}, str(tmp_path), 1).acknowledge(99)  # only rank 0 writes
     assert PlacementControl(str(tmp_path)).ended("p")["step"] == 12
@@ -192,7 +201,7 @@ def test_swap_watcher_keeps_a_request_the_session_already_acknowledged(tmp_path)
     cluster = {"nodes": [node("spot"), node("spot")]}
     watcher = SwapWatcher(workers(), control, "p1", observe=lambda: cluster["nodes"])
     watcher.poll_once()
-    control.acknowledge("p1", 60)
+    control.acknowledge("p1", 60, "swap")
     cluster["nodes"] = []  # the new placement took the spot nodes
     watcher.poll_once()
     assert control.end_requested("p1") and control.ended("p1")["step"] == 60
@@ -227,3 +236,68 @@ def test_add_node_needs_a_running_stack_and_a_known_market(tmp_path, monkeypatch
         local.add_node("spot")
     with pytest.raises(ClusterError, match="--market 'spott': use one of spot, on-demand"):
         local.add_node("spott")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sizing a placement and growing it (elastic runs)
+
+
+def test_any_market_counts_every_worker_node():
+    nodes = [node("spot"), node("on-demand"), node("spot", role="head")]
+    assert worker_slots(nodes, workers(), "any") == 2
+
+
+def test_a_placement_starts_with_as_many_workers_as_fit_up_to_max_and_waits_below_min():
+    elastic = workers(min=1, max=3, market="spot")
+    nodes = [node("spot"), node("spot"), node("spot", draining=True), node("on-demand")]
+    start = decide_workers(elastic, nodes, "spot")
+    assert (start.action, start.spot_slots) == ("start", 2)  # the draining node is leaving: not counted
+    assert decide_workers(elastic, nodes * 2, "spot").spot_slots == 3  # capped at max
+    wait = decide_workers(workers(min=2, max=2, market="spot"), nodes[:1], "spot")
+    assert wait.action == "wait" and "1 of 2 worker slot(s) free on spot nodes" in wait.reason
+
+
+def test_waiting_for_workers_polls_until_a_replacement_joins_and_says_why(capsys):
+    polls = iter([[node("spot")]] * 5 + [[node("spot"), node("spot")]])
+    decision = wait_for_workers(workers(min=2, max=2, market="spot"), "spot", observe=lambda: next(polls),
+                                sleep=lambda s: None)
+    assert decision.action == "start" and decision.spot_slots == 2
+    out = capsys.readouterr().out
+    assert "waiting for capacity: 1 of 2" in out and "start: 2 worker(s) on spot nodes" in out
+
+
+def test_grow_only_below_max_and_with_a_free_slot():
+    elastic = workers(min=1, max=2, market="spot")
+    assert decide_grow(elastic, [node("spot")], "spot", running=1).action == "grow"
+    assert decide_grow(elastic, [node("spot", cpus=0.0)], "spot", running=1).action == "stay"
+    assert decide_grow(elastic, [node("spot")], "spot", running=2).action == "stay"
+    assert decide_grow(elastic, [node("spot")], "spot", running=None).action == "stay"
+    assert decide_grow(elastic, [node("on-demand")], "spot", running=1).action == "stay"
+
+
+def test_grow_watcher_waits_for_a_steady_reading_and_never_flaps(tmp_path, capsys):
+    control = PlacementControl(str(tmp_path))
+    control.running("p1", 1)
+    cluster = {"nodes": [node("spot")]}
+    clock = FakeClock()
+    watcher = GrowWatcher(workers(min=1, max=2, market="spot", regrow_after_seconds=10), control, "p1", "spot",
+                          observe=lambda: cluster["nodes"], clock=clock)
+    watcher.poll_once()
+    clock.now = 6
+    cluster["nodes"] = []  # the new node went away again: the clock restarts
+    watcher.poll_once()
+    clock.now = 8
+    cluster["nodes"] = [node("spot")]
+    watcher.poll_once()
+    clock.now = 17
+    watcher.poll_once()
+    assert not control.end_requested("p1")  # 9 s steady, not 10
+    clock.now = 18
+    watcher.poll_once()
+    assert control.end_request("p1")["kind"] == "grow"
+    clock.now = 19
+    cluster["nodes"] = []
+    watcher.poll_once()  # capacity gone before the checkpoint: withdrawn
+    assert not control.end_requested("p1")
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[elastic] placement:")]
+    assert len(lines) == 2 and "growing 1 -> 2" in lines[0] and "request withdrawn" in lines[1]
