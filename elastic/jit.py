@@ -41,6 +41,7 @@ class JitPlanner:
         self._clock = clock
         self._step_seconds: float | None = None
         self._save_seconds: float | None = None
+        self._report_seconds = 0.0
         self._last_step_at: float | None = None
 
     def stepped(self) -> None:
@@ -57,9 +58,16 @@ class JitPlanner:
         self._save_seconds = seconds if self._save_seconds is None else max(seconds, 0.7 * self._save_seconds)
         self._last_step_at = None  # the step that included a sync save is not a step time
 
+    def reported(self, seconds: float) -> None:
+        """Telling Ray Train of a checkpoint took `seconds`; the just-in-time one is reported before the
+        placement ends, so it counts too (same decaying max)."""
+        self._report_seconds = max(seconds, 0.7 * self._report_seconds)
+
     @property
     def save_seconds(self) -> float:
-        return self._save_seconds if self._save_seconds is not None else DEFAULT_SAVE_SECONDS
+        """Start of a save to Ray knowing of it: write, commit and report."""
+        write = self._save_seconds if self._save_seconds is not None else DEFAULT_SAVE_SECONDS
+        return write + self._report_seconds
 
     @property
     def step_seconds(self) -> float:
@@ -130,6 +138,9 @@ class NoJustInTime:
     def saved(self, seconds: float) -> None:
         pass
 
+    def reported(self, seconds: float) -> None:
+        pass
+
 
 class JustInTime:
     """Per-rank driver of the just-in-time checkpoint: `due(step)` on every rank after every step says whether
@@ -165,6 +176,9 @@ class JustInTime:
 
     def saved(self, seconds: float) -> None:
         self.planner.saved(seconds)
+
+    def reported(self, seconds: float) -> None:
+        self.planner.reported(seconds)
 
     def seconds_to_deadline(self) -> float | None:
         if self.notice is None or self.notice.deadline is None:

@@ -123,6 +123,7 @@ class Session:
         self._optimizer_step: OptimizerStep | None = None
         # Metrics of saves not yet reported to Ray; a reporter thread tells Ray of each save once it commits.
         self._unreported: dict[int, dict] = {}
+        self._skipped: SaveResult | None = None  # the newest commit not reported (the reporter was busy)
         self._report_lock = threading.Lock()
         self._reports: queue.Queue = queue.Queue()
         self._report_error: BaseException | None = None
@@ -266,20 +267,20 @@ class Session:
         if self._last_saved_step != self.step_count:
             self.checkpoint(metrics, asynchronous=False)
             self._raise_if_failed(self.checkpointer.wait())
-            self._drain_reports()
+            self._report_ending(final)
             return
         with self._report_lock:  # the last save is of this very step: let it carry the final metrics
             carried = self.step_count in self._unreported
             if carried:
                 self._unreported[self.step_count] = final
         self._raise_if_failed(self.checkpointer.wait())
-        self._drain_reports()
-        if not carried:
-            # Already reported (or resumed at the end of a finished run: nothing new to save, and Ray knows
-            # that checkpoint). Report the metrics alone; never rewrite a committed folder in place.
-            import ray.train
+        if self._report_ending(final) or carried:
+            return
+        # Already reported (or resumed at the end of a finished run: nothing new to save, and Ray knows that
+        # checkpoint). Report the metrics alone; never rewrite a committed folder in place.
+        import ray.train
 
-            ray.train.report(final)
+        ray.train.report(final)
 
     def all_reduce_sum(self, *values: float) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)
@@ -379,7 +380,7 @@ class Session:
         self._log_failure(result)
         if result is None or not result.committed:
             return
-        self._drain_reports()  # Ray knows this checkpoint before the placement ends
+        self._report_ending({"step": result.step})  # Ray knows this checkpoint before the placement ends
         reason = self._placement.acknowledge(result.step)
         self.log(f"placement ends at the checkpoint of step {result.step} ({reason})")
         raise PlacementEnded(result.step)
@@ -403,7 +404,7 @@ class Session:
         self._log_failure(result)
         if result is None or not result.committed:
             return
-        self._drain_reports()
+        self._report_ending({"step": result.step, **(metrics or {})})
         left = self._jit.seconds_to_deadline()
         self.log(f"just-in-time checkpoint at step {result.step} committed in {time.monotonic() - started:.2f} s"
                  + (f", {left:.1f} s before the deadline" if left is not None else "")
@@ -418,18 +419,51 @@ class Session:
         raise PlacementEnded(result.step)
 
     def _on_commit(self, result: SaveResult) -> None:
-        """After a commit, on every rank, in the save's background thread: queue the report to Ray, then
-        prune (rank 0).
+        """After a commit, on every rank, in the save's thread: log it, queue its report to Ray, prune (rank 0).
 
         Reports go through a thread of their own: Ray Train's report is a barrier across workers through an
-        actor and waits for the controller to take the previous one, which was seen taking 1.8 s with saves
-        a second apart. Neither the loop nor the next save waits for it; reports stay in order."""
-        self._reports.put(result)
+        actor and waits for the controller to take the previous one; it was seen taking 1.8 s on a busy
+        machine, longer than the time between saves. Neither the loop nor the next save waits for it. When the
+        reporter is still busy with an earlier report, this commit is not reported (a newer one will be; the
+        ending checkpoint always is): a queue that only grows would delay the final and just-in-time reports by
+        minutes. Whether to report is rank 0's call, broadcast on the checkpoint group, because the report is a
+        collective every rank must make for the same checkpoint."""
         self._jit.saved(result.total_seconds)
+        with self._report_lock:
+            metrics = self._unreported.get(result.step, {"step": result.step})
+        self.log(f"checkpoint at step {result.step} committed (stall {result.blocked_seconds * 1000:.1f} ms, "
+                 f"write {result.total_seconds:.2f} s): {_format(metrics)}")
+        if self._reporter_free():
+            self._skipped = None
+            self._reports.put(result)
+        else:
+            with self._report_lock:
+                self._unreported.pop(result.step, None)
+            self._skipped = result
         if self.is_chief:
             pruned = self.store.retain(self.spec.checkpoint.keep, self.spec.checkpoint.keep_every)
             if pruned:
                 self.log(f"retention: pruned checkpoints at steps {', '.join(map(str, pruned))}")
+
+    def _reporter_free(self) -> bool:
+        free = torch.tensor([0 if self._reports.unfinished_tasks else 1])
+        if self._checkpoint_group is not None:
+            dist.broadcast(free, src=0, group=self._checkpoint_group)
+        return bool(free.item())
+
+    def _report_ending(self, metrics: dict) -> bool:
+        """Before a run or placement ends at the checkpoint just committed: make sure Ray is told of it (also
+        if it was passed over while the reporter was busy) and wait until it has been. Returns True if that
+        checkpoint had been passed over and was reported here with `metrics`."""
+        skipped = self._skipped
+        requeue = skipped is not None and skipped.step == self.step_count
+        if requeue:
+            with self._report_lock:
+                self._unreported[skipped.step] = metrics
+            self._skipped = None
+            self._reports.put(skipped)
+        self._drain_reports()
+        return requeue
 
     def _report_loop(self) -> None:
         while True:
@@ -462,10 +496,10 @@ class Session:
         if self.is_chief:
             checkpoint = Checkpoint(self._storage.build_checkpoint_path_from_name(name),
                                     filesystem=self._storage.storage_filesystem)
+        started = time.monotonic()
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
                          checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-        self.log(f"checkpoint at step {result.step} committed (stall {result.blocked_seconds * 1000:.1f} ms, "
-                 f"write {result.total_seconds:.2f} s): {_format(metrics)}")
+        self._jit.reported(time.monotonic() - started)
 
     def _log_failure(self, result: SaveResult | None) -> None:
         if result is not None and not result.committed:
