@@ -583,7 +583,7 @@ def watch_preemption_cmd(provider: str, metadata_url: str | None, node_id: str |
     """
     import re
 
-    from elastic.preemption import WatchConfig, watch
+    from elastic.watcher import WatchConfig, watch
 
     if not poll_seconds > 0:
         raise UserError(f"--poll-seconds must be > 0, got {poll_seconds:g}")

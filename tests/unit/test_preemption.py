@@ -1,4 +1,4 @@
-"""Unit tests for the preemption watcher (elastic/preemption.py, drain.py) against our own metadata servers over real
+"""Unit tests for the preemption watcher (elastic/preemption.py, watcher.py, drain.py) against our own metadata servers over real
 HTTP on 127.0.0.1 (elastic/metadata_server.py). The clock and sleep are fakes: a poll interval of 5 s costs
 nothing; only the drainer is a recording stand-in for Ray (the real one is exercised in
 tests/integration/test_watch_preemption.py)."""
@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from elastic.cli import cli
+from elastic.cli import cli, main
 from elastic.drain import DrainError, DrainOutcome, NodeView, pick_local_node
 from elastic.errors import ClusterError, MetadataUnavailable
 from elastic.metadata_server import MetadataServer, post_admin
-from elastic.preemption import (AwsSource, AzureSource, GcpSource, WatchConfig, Watcher, backoff_delay,
-                                detect_provider, drain_deadline, watch)
+from elastic.preemption import AwsSource, AzureSource, GcpSource, detect_provider
+from elastic.watcher import WatchConfig, Watcher, backoff_delay, drain_deadline, watch
 
 NODE = "ab" * 28
 ACTION = AwsSource.ACTION
@@ -368,6 +368,7 @@ def test_watch_once_drains_and_reports_an_unreachable_service(aws):
     assert watch("auto", aws.url, drainer=drainer, once=True, emit=lines.append) == 0
     assert len(drainer.calls) == 1 and matching(lines, "detected the aws metadata service")
     assert watch("aws", closed_port_url(), drainer=RecordingDrainer(), once=True, emit=lines.append) == 1
+    assert watch("aws", aws.url, drainer=RecordingDrainer(False), once=True, emit=lines.append) == 1  # rejected
 
 
 @pytest.mark.parametrize("args, message", [
@@ -376,11 +377,13 @@ def test_watch_once_drains_and_reports_an_unreachable_service(aws):
     (["--node-id", "xyz"], "--node-id must be a Ray node id"),
     (["--metadata-url", "169.254.169.254"], "--metadata-url must be an http:// URL"),
 ])
-def test_bad_flags_exit_2_with_one_line(args, message):
-    proc = subprocess.run([sys.executable, "-m", "elastic", "watch-preemption", *args], capture_output=True,
-                          text=True, timeout=30)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
+def test_bad_flags_exit_2_with_one_line(args, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["elastic", "watch-preemption", *args])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err
 
 
 # ---------------------------------------------------------------------------------------------------------
