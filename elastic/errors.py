@@ -39,3 +39,7 @@ class JobFailed(ElasticError):
 
 class NonFiniteLoss(ElasticError):
     """Training produced NaN/inf losses for `train.max_nonfinite_steps` optimizer steps in a row."""
+
+
+class MetadataUnavailable(ElasticError):
+    """The cloud metadata service did not answer usefully (timeout, connection error, 5xx): retried with backoff."""
