@@ -46,7 +46,8 @@ def local_group() -> None:
 
 
 @local_group.command("up")
-@click.option("--spot", default=2, show_default=True, type=click.IntRange(0), help="Spot worker nodes.")
+@click.option("--spot", default=3, show_default=True, type=click.IntRange(0),
+              help="Spot worker nodes (3: a 2-worker job plus one spare, so a reclaimed node's work goes on at once).")
 @click.option("--on-demand", default=1, show_default=True, type=click.IntRange(0), help="On-demand worker nodes.")
 @click.option("--cpus-per-node", default=1, show_default=True, type=click.IntRange(1), help="CPUs per worker node.")
 @click.option("--gpus-per-node", default=0, show_default=True, type=click.IntRange(0),
@@ -644,7 +645,7 @@ def preempt_cmd(node: str | None, pick_random: bool, market: str | None, count: 
 @click.option("--node-id", help="Ray node to drain, hex (default: the Ray node on this host).")
 @click.option("--address", help="Ray GCS address HOST:PORT (default: RAY_ADDRESS, else the cluster this host joined).")
 @click.option("--poll-seconds", default=5.0, show_default=True, type=float, help="Seconds between polls.")
-@click.option("--margin-seconds", default=5.0, show_default=True, type=float,
+@click.option("--margin-seconds", default=2.0, show_default=True, type=float,
               help="Drain deadline = the cloud's deadline minus this.")
 @click.option("--once", is_flag=True, help="Poll once, act on what it shows, and exit (1 if the service is down).")
 def watch_preemption_cmd(provider: str, metadata_url: str | None, node_id: str | None, address: str | None,

@@ -80,6 +80,7 @@ class LocalState:
     nodes: list[dict] = field(default_factory=list)
     roots: list[dict] = field(default_factory=list)
     ports: dict = field(default_factory=dict)
+    retired: list[str] = field(default_factory=list)  # names of nodes that were reclaimed (elastic preempt)
 
     def env(self) -> dict[str, str]:
         """Environment under which Ray's CLI, boto3, s3fs and our drivers talk to this stack."""
@@ -159,7 +160,7 @@ def running_state() -> LocalState | None:
 # up
 
 
-def up(spot: int = 2, on_demand: int = 1, gpus_per_node: int = 0, cpus_per_node: int = 1,
+def up(spot: int = 3, on_demand: int = 1, gpus_per_node: int = 0, cpus_per_node: int = 1,
        bucket: str = DEFAULT_BUCKET, timeout: float = 120.0) -> LocalState:
     """Start the stack, or return it if it is already up."""
     existing = load_state()
@@ -205,6 +206,9 @@ def up(spot: int = 2, on_demand: int = 1, gpus_per_node: int = 0, cpus_per_node:
             state.roots.append(_start_node(ray_bin, node, state, env, logs).to_dict())
             _save_state(state)
             state.nodes = _wait_for_nodes(state, plan[:joined], timeout)
+            if node.market == "spot":
+                _start_spot_daemons(state.nodes[-1], state, env, logs, timeout)
+                _save_state(state)
         _wait_for_port(ports["s3"], timeout, "S3 endpoint", logs / "s3.log")
         _create_bucket(state)
         _save_state(state)
@@ -236,6 +240,26 @@ def _start_node(ray_bin: str, node: NodePlan, state: LocalState, env: dict, logs
         # All nodes share one log folder here; a log monitor per node would print every line N times.
         args += [f"--address={state.ray_address}", "--include-log-monitor=false"]
     return processes.launch(args, node.name, state.marker, env, logs / f"{node.name}.log")
+
+
+def _start_spot_daemons(node: dict, state: LocalState, env: dict, logs: Path, timeout: float) -> None:
+    """What a spot VM on a cloud has beside Ray: a metadata endpoint that announces reclaims (AWS's IMDSv2
+    protocol, served by elastic.metadata_server) and the `elastic watch-preemption` daemon polling it, which
+    drains this node when `elastic preempt` announces a reclaim. Recorded on the node and in the roots, so
+    `preempt` kills them with the node and `down` stops them."""
+    port = _free_port()
+    name = node["name"]
+    metadata = processes.launch([sys.executable, "-m", "elastic.metadata_server", "--provider", "aws",
+                                 "--port", str(port)], f"metadata-{name}", state.marker, env,
+                                logs / f"metadata-{name}.log")
+    state.roots.append(metadata.to_dict())
+    _wait_for_port(port, timeout, f"metadata endpoint of {name}", logs / f"metadata-{name}.log")
+    node["metadata_url"] = f"http://127.0.0.1:{port}"
+    watcher = processes.launch([sys.executable, "-m", "elastic", "watch-preemption", "--provider", "aws",
+                                "--metadata-url", node["metadata_url"], "--node-id", node["node_id"],
+                                "--address", state.ray_address], f"watcher-{name}", state.marker, env,
+                               logs / f"watcher-{name}.log")
+    state.roots.append(watcher.to_dict())
 
 
 def _wait_for_nodes(state: LocalState, plan: list[NodePlan], timeout: float) -> list[dict]:
@@ -314,7 +338,8 @@ def add_node(market: str, cpus: int | None = None, gpus: int | None = None, time
     gpus = gpus if gpus is not None else (others[0]["gpus"] if others else 0)
     if gpus > 0 and not state.logical_gpus and not _cuda_available():
         raise ClusterError("this stack declares no GPUs; start it with --gpus-per-node to add nodes with GPUs")
-    taken = {n["name"] for n in state.nodes} | {r["role"] for r in state.roots}
+    # A reclaimed node's name is never reused: Ray may still list the dead node under it for a while.
+    taken = {n["name"] for n in state.nodes} | {r["role"] for r in state.roots} | set(state.retired)
     index = next(i for i in range(len(taken) + 1) if f"{market}-{i}" not in taken)
     node = NodePlan(f"{market}-{index}", market, WORKER_ROLE, cpus, gpus)
     os.environ["RAY_AUTH_MODE"] = AUTH_MODE  # this process polls the stack's dashboard
@@ -325,9 +350,13 @@ def add_node(market: str, cpus: int | None = None, gpus: int | None = None, time
         state.roots.append(launched.to_dict())
         _save_state(state)
     joined = _wait_for_nodes(state, [node], timeout)[0]
+    daemons = LocalState(**{**asdict(state), "roots": []})
+    if market == "spot":
+        _start_spot_daemons(joined, daemons, env, home_dir() / "local" / "logs", timeout)
     with state_lock():
         state = load_state() or state
         state.nodes.append(joined)
+        state.roots.extend(daemons.roots)
         _save_state(state)
     return joined
 

@@ -13,13 +13,13 @@ import os
 import random
 import subprocess
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from elastic import local, processes
 from elastic.errors import ClusterError
 from elastic.labels import WORKER_ROLE
+from elastic.metadata_server import post_admin
 
 
 @dataclass
@@ -64,7 +64,20 @@ def select_nodes(state: local.LocalState, node: str | None = None, pick_random: 
         raise ClusterError(f"--count {count}: only {len(pool)} {market or 'worker'} node(s) on the local stack")
     if pick_random:
         return (rng or random.Random()).sample(pool, count)
-    return pool[:count]
+    busy = _nodes_with_training_workers(state)
+    return sorted(pool, key=lambda n: n["node_id"] not in busy)[:count]  # stable: busy nodes first
+
+
+def _nodes_with_training_workers(state: local.LocalState) -> set[str]:
+    """Nodes running a Ray Train worker now (a reclaim of an idle node shows nothing)."""
+    try:
+        from ray.util.state import list_actors
+
+        actors = list_actors(address=state.dashboard_url, filters=[("state", "=", "ALIVE")],
+                             raise_on_missing_output=False)
+    except Exception:  # the state API is unavailable: fall back to the stack's order
+        return set()
+    return {a.node_id for a in actors if "RayTrainWorker" in (a.class_name or "")}
 
 
 def preempt(nodes: list[dict], notice: float | None, hard: bool = False, replace_after: float | None = None,
@@ -99,9 +112,7 @@ def _announce(state: local.LocalState, node: dict, reclaim: Reclaim, notice: flo
     url = node.get("metadata_url")
     reclaim.announced_at = clock()
     if url:
-        request = urllib.request.Request(f"{url}/_elastic/reclaim?notice={notice:g}", data=b"", method="POST")
-        with urllib.request.urlopen(request, timeout=5) as response:
-            response.read()
+        post_admin(url, "reclaim", notice=f"{notice:g}")
         reclaim.path = "metadata"
         log(f"{node['name']}: reclaim announced on its metadata endpoint, {notice:g} s notice "
             "(its watcher drains the Ray node)")
@@ -139,5 +150,6 @@ def kill_node(name: str) -> int:
                 keep.append(root.to_dict())
         state.roots = keep
         state.nodes = [n for n in state.nodes if n["name"] != name]
+        state.retired = [*state.retired, name]
         local._save_state(state)
     return killed

@@ -143,6 +143,9 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
     # Ray Train looks for drains of the run's nodes every 5 s by default: a 30 s GCP/Azure notice would lose a
     # sixth of its window before the just-in-time checkpoint is even planned. Ray propagates it to its actors.
     os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
+    # And the controller polls its workers every 2 s: a placement that ends at a just-in-time checkpoint a few
+    # seconds before the deadline must be seen finished before the deadline passes.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "1")
     print(f"[elastic] run {run_name}: {workers.min}"
           + (f"..{workers.max_workers}" if workers.elastic else "")
           + f" workers on {workers.market} nodes, checkpoints in {run_uri}", flush=True)

@@ -40,7 +40,7 @@ def backoff_delay(failures: int, base_s: float, cap_s: float, jitter: float, ran
 @dataclass(frozen=True)
 class WatchConfig:
     poll_seconds: float = 5.0  # AWS asks for about one poll every 5 s
-    margin_seconds: float = 5.0  # drain deadline = cloud deadline - margin
+    margin_seconds: float = 2.0  # drain deadline = cloud deadline - margin (clock skew, the drain RPC)
     backoff_cap_seconds: float = 30.0  # longest wait between failing polls (inside AWS's 2 minutes)
     jitter: float = 0.2
 
