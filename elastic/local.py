@@ -205,7 +205,8 @@ def up(spot: int = 3, on_demand: int = 1, gpus_per_node: int = 0, cpus_per_node:
         for joined, node in enumerate(workers, start=2):
             state.roots.append(_start_node(ray_bin, node, state, env, logs).to_dict())
             _save_state(state)
-            state.nodes = _wait_for_nodes(state, plan[:joined], timeout)
+            extras = {n["name"]: n for n in state.nodes}  # keep what was added to the nodes joined earlier
+            state.nodes = [{**extras.get(n["name"], {}), **n} for n in _wait_for_nodes(state, plan[:joined], timeout)]
             if node.market == "spot":
                 _start_spot_daemons(state.nodes[-1], state, env, logs, timeout)
                 _save_state(state)

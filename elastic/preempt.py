@@ -141,14 +141,9 @@ def kill_node(name: str) -> int:
         state = local.running_state()
         if state is None:
             raise ClusterError("no local stack running")
-        killed = 0
-        keep = []
-        for root in state.launched():
-            if root.role in (name, f"watcher-{name}", f"metadata-{name}"):
-                killed += processes.kill_tree(root)
-            else:
-                keep.append(root.to_dict())
-        state.roots = keep
+        roles = {name, f"watcher-{name}", f"metadata-{name}"}
+        killed = processes.kill_trees([root for root in state.launched() if root.role in roles])
+        state.roots = [root.to_dict() for root in state.launched() if root.role not in roles]
         state.nodes = [n for n in state.nodes if n["name"] != name]
         state.retired = [*state.retired, name]
         local._save_state(state)

@@ -136,16 +136,18 @@ def _signal(proc: psutil.Process, sig: int) -> None:
         pass
 
 
-def kill_tree(root: Launched) -> int:
-    """SIGKILL a root and all its descendants at once, as a machine that vanishes would. Returns the count."""
-    proc = root.process()
-    if proc is None:
-        return 0
-    try:
-        procs = [proc, *proc.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    for each in procs:
+def kill_trees(roots: list[Launched]) -> int:
+    """SIGKILL roots and all their descendants at once, as a machine that vanishes would. Returns the count."""
+    procs: dict[int, psutil.Process] = {}
+    for root in roots:
+        proc = root.process()
+        if proc is None:
+            continue
+        try:
+            procs.update({p.pid: p for p in [proc, *proc.children(recursive=True)]})
+        except psutil.NoSuchProcess:
+            continue
+    for each in procs.values():
         _signal(each, signal.SIGKILL)
-    psutil.wait_procs(procs, timeout=5)
+    psutil.wait_procs(list(procs.values()), timeout=5)
     return len(procs)
