@@ -310,6 +310,14 @@ def observe_nodes() -> list[NodeView]:
     return views
 
 
+def draining_nodes(observe: Callable[[], list[NodeView]] = observe_nodes) -> tuple[str, ...]:
+    """Ids of live nodes being drained (reclaimed): a new placement must not land there."""
+    try:
+        return tuple(sorted(n.node_id for n in observe() if n.draining))
+    except Exception:  # a failed poll: no node to avoid (Ray's restart covers a worker lost with one)
+        return ()
+
+
 def hint_spot_demand(workers: WorkersSpec, on: bool = True) -> None:
     """Ask the autoscaler for spot nodes for workers.min workers (or withdraw the ask). On an autoscaling cloud
     cluster spot nodes exist only when something asks for them; with no autoscaler (the local stack) this is

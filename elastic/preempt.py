@@ -47,8 +47,10 @@ class PreemptReport:
 
 
 def select_nodes(state: local.LocalState, node: str | None = None, pick_random: bool = False,
-                 market: str | None = None, count: int = 1, rng: random.Random | None = None) -> list[dict]:
-    """Worker nodes to reclaim: by name or node id (prefix), at random, or the first of a market."""
+                 market: str | None = None, count: int = 1, rng: random.Random | None = None,
+                 busy: set[str] | None = None) -> list[dict]:
+    """Worker nodes to reclaim: by name or node id (prefix), at random, or of a market, nodes running a
+    training worker first (`busy`: their ids; default: asked of Ray's state API)."""
     workers = [n for n in state.nodes if n["role"] == WORKER_ROLE]
     if node is not None:
         chosen = [n for n in workers if n["name"] == node or n["node_id"].startswith(node)]
@@ -64,7 +66,7 @@ def select_nodes(state: local.LocalState, node: str | None = None, pick_random: 
         raise ClusterError(f"--count {count}: only {len(pool)} {market or 'worker'} node(s) on the local stack")
     if pick_random:
         return (rng or random.Random()).sample(pool, count)
-    busy = _nodes_with_training_workers(state)
+    busy = _nodes_with_training_workers(state) if busy is None else busy
     return sorted(pool, key=lambda n: n["node_id"] not in busy)[:count]  # stable: busy nodes first
 
 

@@ -144,6 +144,15 @@ class RuntimeEnvSpec(_Frozen):
         default_factory=list, description="Extra paths left out of the uploaded working_dir."
     )
 
+    @field_validator("env_vars", mode="before")
+    @classmethod
+    def _scalars_as_strings(cls, value: Any) -> Any:
+        # `FOO: 1` in YAML (or --set ...FOO=1) means the string "1" to a process environment.
+        if isinstance(value, dict):
+            return {k: str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, (int, float)) else v
+                    for k, v in value.items()}
+        return value
+
 
 class JobSpec(_Frozen):
     """One training job."""

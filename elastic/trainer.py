@@ -33,9 +33,11 @@ SUMMARY_FILE = "elastic-summary.json"
 # and was seen flapping 2 -> 1 -> 2 with both nodes up (its capacity view ignores node labels and drains).
 # The driver grows a placement itself, at a checkpoint (placement.GrowWatcher); Ray's running resize is off.
 NO_RUNNING_RESIZE_SECONDS = 10**9
+NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it (ray.util.placement_group.NODE_ID_LABEL_KEY)
 
 
-def scaling_config(workers: WorkersSpec, market: str | None = None, count: int | None = None):
+def scaling_config(workers: WorkersSpec, market: str | None = None, count: int | None = None,
+                   avoid_nodes: tuple[str, ...] = ()):
     """`market` overrides workers.market (spot-first runs each placement on spot or on-demand); `count` caps
     an elastic run at the workers the driver found room for (Ray may still start fewer, down to min, after a
     failure inside the placement)."""
@@ -46,11 +48,16 @@ def scaling_config(workers: WorkersSpec, market: str | None = None, count: int |
         resources["GPU"] = workers.gpus
     high = min(count, workers.max_workers) if count is not None else workers.max_workers
     num_workers: int | tuple[int, int] = (workers.min, high) if high > workers.min else workers.min
+    selector = worker_selector(market or workers.market)
+    if avoid_nodes:
+        # Nodes being reclaimed: Ray's scheduler still places new workers there (seen: a worker of the next
+        # placement started on the draining node, died with it, and cost a restart).
+        selector = {**selector, NODE_ID_LABEL: f"!in({','.join(sorted(avoid_nodes))})"}
     return ScalingConfig(
         num_workers=num_workers,
         use_gpu=workers.gpus > 0,
         resources_per_worker=resources,
-        label_selector=worker_selector(market or workers.market),
+        label_selector=selector,
         elastic_resize_monitor_interval_s=NO_RUNNING_RESIZE_SECONDS,
     )
 
@@ -84,7 +91,8 @@ def build_trainer(spec: JobSpec, run_name: str, placement: Placement | None = No
                            "placement": asdict(placement) if placement else None},
         torch_config=TorchConfig(backend=torch_backend(spec.workers, logical_gpus)),
         scaling_config=scaling_config(spec.workers, placement.market if placement else None,
-                                      placement.workers if placement else None),
+                                      placement.workers if placement else None,
+                                      placement.avoid_nodes if placement else ()),
         run_config=RunConfig(
             name=run_name,
             storage_path=storage_path,
@@ -112,6 +120,7 @@ class Placement:
     reason: str
     workers: int | None = None  # started with (the driver's count of free slots, capped at max)
     resizable: bool = False  # elastic and below max: the driver may end it at a checkpoint to grow
+    avoid_nodes: tuple[str, ...] = ()  # nodes draining when it started (being reclaimed)
 
 
 @dataclass(frozen=True)
@@ -206,7 +215,8 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
             swappable = spot_first and market == policy.ON_DEMAND and workers.swap_to_spot
             current = Placement(id=policy.new_placement_id(), market=market, swappable=swappable, reason=why,
                                 workers=sized.spot_slots,
-                                resizable=workers.elastic and sized.spot_slots < workers.max_workers)
+                                resizable=workers.elastic and sized.spot_slots < workers.max_workers,
+                                avoid_nodes=policy.draining_nodes())
             if spot_first and not swappable:
                 policy.hint_spot_demand(workers, on=False)  # on spot now, or staying on on-demand
             record = {"market": current.market, "workers": current.workers, "reason": current.reason,

@@ -285,7 +285,7 @@ _BAD = [
         id="failure-max-failures-below-unlimited",
     ),
     pytest.param(
-        MINIMAL + "runtime_env:\n  env_vars:\n    A: 1\n", "runtime_env.env_vars.A", 11, ["valid string", "(got 1)"],
+        MINIMAL + "runtime_env:\n  env_vars:\n    A: [1, 2]\n", "runtime_env.env_vars.A", 11, ["valid string"],
         id="env-var-not-a-string",
     ),
     pytest.param(
@@ -461,3 +461,8 @@ def test_errors_from_set_name_the_flag_not_a_file_line():
 def test_set_reads_exponent_numbers_as_numbers():
     path = Path(__file__).resolve().parents[2] / "jobs" / "digits_ddp.yaml"
     assert load_job_spec(path, ["config.lr=1e-3"]).config["lr"] == pytest.approx(0.001)
+
+
+def test_scalar_env_vars_become_the_strings_a_process_environment_holds():
+    spec = parse_job_spec(MINIMAL + "runtime_env:\n  env_vars:\n    A: 1\n    B: true\n    C: 0.5\n")
+    assert spec.runtime_env.env_vars == {"A": "1", "B": "true", "C": "0.5"}
