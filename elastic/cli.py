@@ -212,15 +212,21 @@ def status_cmd(run: str | None, address: str | None, as_json: bool) -> None:
     """List elastic runs on the cluster (newest job per run first)."""
     from elastic import submit
 
-    rows = submit.list_runs(submit.resolve_target(address))
+    target = submit.resolve_target(address)
+    rows = submit.list_runs(target)
     if run:
         rows = [r for r in rows if run in (r["run"], r["job_id"])]
+        for row in rows[:1]:
+            if row["status"] == "RUNNING":  # e.g. "waiting: waiting for capacity: 1 of 2 worker slot(s) free ..."
+                driver = submit.driver_status(target, row["job_id"])
+                if driver:
+                    row["message"] = f"{driver['state']}: {driver['detail']}"
     if as_json:
         _print_json(rows)
         return
     table = Table("run", "job id", "status", "message")
     for row in rows:
-        table.add_row(row["run"], row["job_id"], row["status"], (row["message"] or "")[:80])
+        table.add_row(row["run"], row["job_id"], row["status"], (row["message"] or "")[:160])
     console.print(table)
 
 

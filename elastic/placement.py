@@ -35,6 +35,7 @@ SPOT, ON_DEMAND, ANY = "spot", "on-demand", "any"
 REQUEST_FILE = "elastic-placement-request.json"
 ENDED_FILE = "elastic-placement-ended.json"
 RUNNING_FILE = "elastic-placement-running.json"
+STATUS_FILE = "elastic-driver-status.json"  # what the driver is doing now, for `elastic status RUN`
 POLL_SECONDS_VARIABLE = "ELASTIC_PLACEMENT_POLL_SECONDS"
 DEFAULT_POLL_SECONDS = 5.0
 
@@ -185,6 +186,12 @@ class PlacementControl:
     def world_size(self, placement_id: str) -> int | None:
         running = self._read(RUNNING_FILE)
         return int(running["world_size"]) if running is not None and running.get("placement") == placement_id else None
+
+    def set_status(self, state: str, detail: str) -> None:
+        self._write(STATUS_FILE, {"state": state, "detail": detail, "time": time.time()})
+
+    def status(self) -> dict | None:
+        return self._read(STATUS_FILE)
 
     def clear(self) -> None:
         for name in (REQUEST_FILE, ENDED_FILE, RUNNING_FILE):
@@ -407,7 +414,7 @@ class SwapWatcher:
 
 def wait_for_workers(workers: WorkersSpec, market: str, observe: Callable[[], list[NodeView]] = observe_nodes,
                      sleep: Callable[[float], None] = time.sleep, poll_seconds: float = 0.5,
-                     announce_every: int = 60) -> Decision:
+                     announce_every: int = 60, on_wait: Callable[[Decision], None] = lambda d: None) -> Decision:
     """Poll until decide_workers says start. Polls briefly: right after a placement ends its workers' resources
     are being released, and every second spent here is a second not training. Logs the wait now and then."""
     polls = 0
@@ -421,6 +428,8 @@ def wait_for_workers(workers: WorkersSpec, market: str, observe: Callable[[], li
         # Logged from the fourth poll on: a released group's slots normally show up within a few polls.
         if decision.action == "start" or polls % announce_every == 3:
             log_decision(decision)
+            if decision.action == "wait":
+                on_wait(decision)
         if decision.action == "start":
             return decision
         polls += 1

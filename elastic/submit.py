@@ -157,6 +157,28 @@ def list_runs(target: Target) -> list[dict]:
     return sorted(rows, key=lambda r: r["start_time"] or 0, reverse=True)
 
 
+def driver_status(target: Target, job_id: str) -> dict | None:
+    """What the run's driver says it is doing (running, or waiting for capacity and why), from the run folder;
+    None if it cannot be read from here (a cloud bucket this machine has no access to)."""
+    from elastic.placement import PlacementControl
+    from elastic.trainer import run_directory
+
+    try:
+        info = client(target).get_job_info(job_id)
+        spec = JobSpec.model_validate(json.loads(info.runtime_env["env_vars"][SPEC_VARIABLE]))
+        run = (info.metadata or {})[RUN_METADATA_KEY]
+        saved = dict(os.environ)
+        if target.local is not None:
+            os.environ.update(target.local.env())
+        try:
+            return PlacementControl(run_directory(spec, run)).status()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    except Exception:  # best effort: status still lists the job
+        return None
+
+
 def latest_job(target: Target, run_or_job: str) -> str:
     """Job id of the newest job of a run (or the job id itself)."""
     for row in list_runs(target):

@@ -211,7 +211,8 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
                 policy.hint_spot_demand(workers)
                 decision = policy.wait_for_spot(workers, poll_seconds=poll)
                 market, why = decision.action, decision.reason
-            sized = policy.wait_for_workers(workers, market)
+            sized = policy.wait_for_workers(workers, market,
+                                            on_wait=lambda d: control.set_status("waiting", d.reason))
             swappable = spot_first and market == policy.ON_DEMAND and workers.swap_to_spot
             current = Placement(id=policy.new_placement_id(), market=market, swappable=swappable, reason=why,
                                 workers=sized.spot_slots,
@@ -224,6 +225,7 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
             placements.append(record)
             print(f"[elastic] placement {current.id}: {current.workers} worker(s) on {current.market} nodes",
                   flush=True)
+            control.set_status("running", f"{current.workers} worker(s) on {current.market} nodes ({current.reason})")
             watcher = None
             if current.swappable:
                 watcher = policy.SwapWatcher(workers, control, current.id, poll_seconds=poll).start()
