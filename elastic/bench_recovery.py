@@ -29,7 +29,7 @@ from elastic import local, preempt
 from elastic.bench_jobs import read_timeline
 from elastic.errors import ClusterError
 
-WIDTH, BATCH, EVERY_STEPS = 256, 64, 50
+WIDTH, BATCH, EVERY_STEPS = 1024, 256, 50  # ~30-60 ms steps on one CPU core: a realistic step, not a no-op
 
 
 @dataclass

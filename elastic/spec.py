@@ -93,7 +93,7 @@ class CheckpointSpec(_Frozen):
                     "training until just before the deadline, save once, and resume elsewhere from that save.",
     )
     jit_margin_seconds: float = Field(
-        default=3.0, ge=0,
+        default=2.0, ge=0,
         description="Safety margin: the just-in-time save is planned to commit this long before the deadline.",
     )
 
