@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-SAMPLES = 65_536
+SAMPLES = 16_384  # x 1024 features: 64 MB per worker
 
 
 def model_and_data(width: int, seed: int = 0):
