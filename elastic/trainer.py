@@ -204,7 +204,7 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
     control.clear()  # leftovers of an earlier job of this run name
     spot_first = workers.market == "spot-first"
     market, why = (None, "") if spot_first else (workers.market, f"workers.market is {workers.market}")
-    preemptions = 0
+    preemptions = failures = 0
     try:
         while True:
             if market is None:  # spot-first: at start and after a reclaim, spot if it comes within the wait
@@ -233,6 +233,11 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
                 watcher = policy.GrowWatcher(workers, control, current.id, market, poll_seconds=poll).start()
             try:
                 result = build_trainer(spec, run_name, current).fit()
+            except Exception as err:
+                if not _retry_controller_error(err, spec, record, failures := failures + 1):
+                    raise
+                why = f"restarted after a controller error ({type(err).__name__})"
+                continue
             finally:
                 if watcher is not None:
                     watcher.stop()
@@ -265,6 +270,25 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
     finally:
         if spot_first:
             policy.hint_spot_demand(workers, on=False)
+
+
+def _retry_controller_error(err: Exception, spec: JobSpec, record: dict, failures: int) -> bool:
+    """A placement whose Ray Train controller failed (not the user's code: Ray retries that itself) is started
+    again from the last committed checkpoint, within failure.max_failures. Seen: a worker of a placement
+    started right after the previous one ended died importing torch because its working directory had just
+    been garbage-collected by Ray's runtime env agent."""
+    from ray.train import ControllerError
+
+    if not isinstance(err, ControllerError):
+        return False
+    limit = spec.failure.max_failures
+    record["ended_by"] = "controller error"
+    if 0 <= limit < failures:
+        return False
+    print(f"[elastic] placement failed in Ray Train's controller ({str(err).strip().splitlines()[-1][:200]}); "
+          f"starting a new one from the last checkpoint (failure {failures}"
+          + (f" of {limit}" if limit >= 0 else "") + ")", flush=True)
+    return True
 
 
 def read_summary(spec: JobSpec, run_name: str) -> dict | None:
