@@ -49,6 +49,7 @@ class RecoveryBench:
     goodput: float | None
     goodput_minutes: float | None
     goodput_preemptions: int | None
+    goodput_gaps_s: list[float] | None  # per reclaim: last step before it to the first step after it
 
 
 @dataclass
@@ -173,7 +174,7 @@ def _commit_time(state: local.LocalState, run: _Run, step: int) -> float | None:
     return info.time if info.committed else None
 
 
-def _goodput(run: _Run) -> tuple[float, int]:
+def _goodput(run: _Run) -> tuple[float, int, list[float]]:
     """Time in steps that count over wall time. A step counts unless a later attempt resumed from before it;
     a step's time is the gap since the previous step of its attempt (an attempt's first step is charged the
     attempt's median step, not its start-up). Wall time runs from the first step to the last."""
@@ -189,7 +190,9 @@ def _goodput(run: _Run) -> tuple[float, int]:
         counted += sum(gap for (step, _), gap in zip(steps, [typical, *gaps]) if step <= limit)
     first = min(a["steps"][0][1] for a in attempts if a["steps"])
     last = max(a["steps"][-1][1] for a in attempts if a["steps"])
-    return counted / (last - first), len(attempts) - 1
+    stepped = [a for a in attempts if a["steps"]]
+    gaps = [round(b["steps"][0][1] - a["steps"][-1][1], 1) for a, b in zip(stepped, stepped[1:])]
+    return counted / (last - first), len(attempts) - 1, gaps
 
 
 def bench_recovery(notice: float = 20.0, workers: int = 2, minutes: float | None = None, every: float = 120.0,
@@ -220,7 +223,7 @@ def bench_recovery(notice: float = 20.0, workers: int = 2, minutes: float | None
                     "the node died")
             finally:
                 run.stop()
-        good = preemptions = None
+        good = preemptions = gaps = None
         if minutes:
             run = _Run(local.running_state(), "ours", steps, workers, root)
             log(f"goodput: {run.name}, {minutes:g} min, a {notice:g} s notice every {every:g} s")
@@ -232,7 +235,7 @@ def bench_recovery(notice: float = 20.0, workers: int = 2, minutes: float | None
                     time.sleep(every - notice)
                     _reclaim(run, notice, log)
                 time.sleep(max(0.0, ends - time.monotonic()))
-                good, preemptions = _goodput(run)
+                good, preemptions, gaps = _goodput(run)
             finally:
                 run.stop()
         notice_run, hard, bare = results["notice"], results["hard"], results["bare"]
@@ -244,6 +247,6 @@ def bench_recovery(notice: float = 20.0, workers: int = 2, minutes: float | None
             bare_ray_recovery_s=bare.recovery_s, bare_ray_lost_steps=bare.lost_steps,
             recovery_ratio=round(notice_run.recovery_s / bare.recovery_s, 3) if bare.recovery_s > 0 else float("nan"),
             goodput=round(good, 4) if good is not None else None, goodput_minutes=minutes,
-            goodput_preemptions=preemptions)
+            goodput_preemptions=preemptions, goodput_gaps_s=gaps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
