@@ -480,6 +480,57 @@ def bench_overhead_cmd(uri: str | None, workers: int, rounds: int, steps: int, w
         _show_bench("overhead", result, {"overhead_ratio": 1.02, "ckpt_overhead_ratio": 1.05})
 
 
+@cli.command("sweep")
+@click.argument("sweep_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE",
+              help="Override a sweep field, e.g. --set num_samples=4 --set gpu_share=0.5.")
+@click.option("--resume", is_flag=True, help="Require an existing sweep to restore (running it again restores "
+                                             "one anyway when there is one).")
+@click.option("--json", "as_json", is_flag=True, help="Print trials, best_config, plan as JSON (progress on stderr).")
+def sweep_cmd(sweep_file: Path, overrides: tuple[str, ...], resume: bool, as_json: bool) -> None:
+    """Run a hyperparameter sweep whose trials share GPUs (Ray Tune over Ray Train V2).
+
+    Each trial runs the sweep's job under its own run name; running the same sweep again restores the
+    experiment and resumes unfinished trials from their checkpoints.
+
+    \b
+    Example:
+      elastic local up --spot 2 --on-demand 1 --gpus-per-node 2 --cpus-per-node 2
+      elastic sweep jobs/digits_sweep.yaml
+    """
+    from elastic import sweep as sweeps
+    from elastic.sweep_spec import load_sweep_spec
+
+    spec, job = load_sweep_spec(sweep_file, overrides)
+    sweeps.connect(job)
+    say = (lambda m: click.echo(f"[sweep] {m}", err=True)) if as_json else (lambda m: click.echo(f"[sweep] {m}"))
+    result = sweeps.run_sweep(spec, job, resume=resume, say=say)
+    if as_json:
+        _print_json(result)
+    else:
+        _show_sweep(result)
+    if result["errors"]:
+        sys.exit(1)
+
+
+def _show_sweep(result: dict) -> None:
+    keys = sorted({k for t in result["trials"] for k in (t["params"] or {})})
+    table = Table("trial", *keys, result["metric"], "state", "iters", "share", "restarts")
+    for t in result["trials"]:
+        metric = t["metric"]
+        table.add_row(t["trial_id"], *[_fmt(t["params"].get(k)) for k in keys],
+                      _fmt(metric), t["state"], str(t["iterations"]), str(t["gpu_share"]), str(t["restarts"]))
+    Console(highlight=False, width=max(console.width, 140)).print(table)  # not folded in a pipe's 80 columns
+    plan = result["plan"]
+    console.print(f"packing: {plan['trials_per_gpu']} per GPU, share {plan['share']} ({plan['reason']})")
+    console.print(f"best config ({result['mode']} {result['metric']} = {_fmt(result['best_metric'])}): "
+                  f"{json.dumps(result['best_config'])}")
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 @cli.command("demo")
 @click.option("--spot", default=2, show_default=True, type=click.IntRange(0))
 @click.option("--on-demand", default=1, show_default=True, type=click.IntRange(0))
