@@ -88,6 +88,12 @@ def rank_placement(workers: int, share: float) -> str:
     return "PACK"
 
 
+def concurrency_cap(trials_per_gpu: int, gpus: float, workers_per_trial: int) -> int:
+    """Trials that can hold GPU shares at once: more would start drivers and controllers (hundreds of MB each)
+    whose workers only wait for a GPU."""
+    return max(1, math.floor(trials_per_gpu * gpus + 1e-9) // max(1, workers_per_trial))
+
+
 def memory_cap(plan_fraction: float) -> float:
     """torch.cuda.set_per_process_memory_fraction needs a value in (0, 1]."""
     return min(1.0, max(0.01, plan_fraction))

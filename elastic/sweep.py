@@ -166,6 +166,7 @@ def trial_main(config: dict, setup: dict) -> None:
             fit_run(job, run_name, run_uri, [], sharing)
         except Exception as err:  # the run's failure; an OOM marker decides whether it is retried
             failure = err
+        record["attempts"][-1]["ended"] = time.time()
         oom = read_marker(fs, f"{store.root}/{OOM_FILE}", clear=True)
         if oom is None:
             if failure is not None:
@@ -231,6 +232,19 @@ def driver_resources(sweep: SweepSpec):
     return tune.PlacementGroupFactory([{"CPU": sweep.driver_cpus}], bundle_label_selector=selector)
 
 
+def market_gpus(market: str) -> float:
+    """GPUs on the worker nodes a job of this market may use (what its trials' workers can share)."""
+    import ray
+
+    from elastic.labels import matches, worker_selector
+
+    selector = worker_selector("on-demand" if market == "spot-first" else market)
+    if market == "spot-first":
+        selector = {k: v for k, v in selector.items() if k != "market"}
+    return sum(n.get("Resources", {}).get("GPU", 0) for n in ray.nodes()
+               if n.get("Alive") and matches(n.get("Labels") or {}, selector))
+
+
 def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callable[[str], None] = print) -> dict:
     """Run (or restore and finish) the sweep on the connected cluster; returns the report `--json` prints."""
     from ray import tune
@@ -245,6 +259,8 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
     setup = {"sweep": sweep.name, "job": job.model_dump(mode="json"), "train_root": train_root(sweep, job),
              "plan": saved["plan"], "max_oom_retries": sweep.packing.max_oom_retries}
     trainable = tune.with_resources(tune.with_parameters(trial_main, setup=setup), driver_resources(sweep))
+    concurrent = sweep.max_concurrent or packing.concurrency_cap(
+        saved["plan"]["trials_per_gpu"], market_gpus(job.workers.market), job.workers.max_workers)
     if restorable:
         say(f"restoring sweep {sweep.name} from {experiment}")
         tuner = tune.Tuner.restore(experiment_path, trainable, resume_unfinished=True, resume_errored=True,
@@ -255,7 +271,7 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
             trainable,
             param_space=param_space(sweep),
             tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples,
-                                        scheduler=scheduler(sweep), max_concurrent_trials=sweep.max_concurrent,
+                                        scheduler=scheduler(sweep), max_concurrent_trials=concurrent,
                                         reuse_actors=False),
             run_config=tune.RunConfig(name=sweep.name, storage_path=root_path, storage_filesystem=root_fs,
                                       failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
@@ -287,6 +303,8 @@ def report(sweep: SweepSpec, job: JobSpec, results, saved: dict, seconds: float)
             "restarts": max(0, len(attempts) - 1), "ooms": len((record or {}).get("ooms", [])),
             "resumed_from": [a["resumed_from"] for a in attempts],
             "error": str(result.error).splitlines()[0][:200] if result.error else None,
+            "final_metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))
+                              and not isinstance(v, bool) and k not in _TUNE_KEYS},
         })
     trials.sort(key=lambda t: t["trial_id"] or "")
     best = None
@@ -299,6 +317,10 @@ def report(sweep: SweepSpec, job: JobSpec, results, saved: dict, seconds: float)
             "trials": trials, "best_config": best.config if best else None,
             "best_metric": (best.metrics or {}).get(sweep.metric) if best else None,
             "errors": sum(t["state"] == "ERROR" for t in trials), "seconds": round(seconds, 1)}
+
+
+_TUNE_KEYS = {"timestamp", "time_this_iter_s", "time_total_s", "pid", "time_since_restore",
+              "iterations_since_restore", "training_iteration"}
 
 
 class Progress(Callback):
@@ -336,7 +358,7 @@ def _count(trials, status: str) -> int:
 # Driver connection
 
 
-def connect(job: JobSpec) -> None:
+def connect(job: JobSpec | None = None) -> None:
     """Attach this process to the cluster as the sweep's driver; the working dir travels to every trial."""
     import torch  # noqa: F401  (before ray.init: see elastic.trainer.run_job)
     import ray
@@ -353,8 +375,9 @@ def connect(job: JobSpec) -> None:
         os.environ["ELASTIC_LOGICAL_GPUS"] = "1"
     try:
         ray.init(address=address or "auto", log_to_driver=False, runtime_env={
-            "working_dir": os.getcwd(), "excludes": DEFAULT_EXCLUDES + list(job.runtime_env.excludes),
-            "env_vars": dict(job.runtime_env.env_vars)})
+            "working_dir": os.getcwd(), "excludes": DEFAULT_EXCLUDES + (list(job.runtime_env.excludes) if job else []),
+            # glibc's per-thread malloc arenas cost each Ray process (several per trial) ~100 MB for nothing
+            "env_vars": {"MALLOC_ARENA_MAX": "2", **(job.runtime_env.env_vars if job else {})}})
     except ConnectionError:
         raise ClusterError("no Ray cluster to run the sweep on; start one with `elastic local up --gpus-per-node 2` "
                            "or set RAY_ADDRESS") from None
