@@ -149,6 +149,8 @@ def trial_main(config: dict, setup: dict) -> None:
     run_uri = parse_uri(setup["train_root"]).child(run_name).uri
     record_uri = parse_uri(run_uri).child(TRIAL_FILE).uri
     record = _read_json(record_uri) or {"run_name": run_name, "params": config, "attempts": [], "ooms": []}
+    if record.get("finished"):
+        return  # finished before the sweep's driver died, after Tune last saved its state: nothing to redo
     plan = setup["plan"]
     share = record["attempts"][-1]["share"] if record["attempts"] else plan["share"]
     store = CheckpointStore(run_uri)
