@@ -378,8 +378,7 @@ def connect(job: JobSpec | None = None) -> None:
     try:
         ray.init(address=address or "auto", log_to_driver=False, runtime_env={
             "working_dir": os.getcwd(), "excludes": DEFAULT_EXCLUDES + (list(job.runtime_env.excludes) if job else []),
-            # glibc's per-thread malloc arenas cost each Ray process (several per trial) ~100 MB for nothing
-            "env_vars": {"MALLOC_ARENA_MAX": "2", **(job.runtime_env.env_vars if job else {})}})
+            "env_vars": dict(job.runtime_env.env_vars) if job else {}})
     except ConnectionError:
         raise ClusterError("no Ray cluster to run the sweep on; start one with `elastic local up --gpus-per-node 2` "
                            "or set RAY_ADDRESS") from None
