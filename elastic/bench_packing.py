@@ -219,7 +219,7 @@ def bench_compare(uri: str, trials: int, steps: int, width: int, batch: int, gpu
     for label, share in (("auto", "auto"), ("whole_gpu", 1.0)):
         name = f"bench-compare-{label.replace('_', '-')}-{stamp}"
         job = _job(name, "elastic.bench_packing:train_small", uri,
-                   {"steps": steps, "width": width, "batch": batch}, cpus=0.5)
+                   {"steps": steps, "width": width, "batch": batch}, cpus=0.25)
         packing_cfg = {"max_per_gpu": 8, "probe_steps": 20, "max_oom_retries": 2}
         if gpu_memory_gb:
             packing_cfg.update(gpu_memory_gb=gpu_memory_gb, device_memory_gb=16)

@@ -165,7 +165,9 @@ def trial_main(config: dict, setup: dict) -> None:
             job.workers.max_workers, share))
         failure: BaseException | None = None
         try:
-            fit_run(job, run_name, run_uri, [], sharing)
+            # workers.gpus = the share: spot-first's capacity checks count GPU shares too
+            fit_run(job.model_copy(update={"workers": job.workers.model_copy(update={"gpus": share})}),
+                    run_name, run_uri, [], sharing)
         except Exception as err:  # the run's failure; an OOM marker decides whether it is retried
             failure = err
         record["attempts"][-1]["ended"] = time.time()
