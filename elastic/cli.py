@@ -507,6 +507,7 @@ def sweep_cmd(sweep_file: Path, overrides: tuple[str, ...], resume: bool, as_jso
     say = (lambda m: click.echo(f"[sweep] {m}", err=True)) if as_json else (lambda m: click.echo(f"[sweep] {m}"))
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():  # Tune prints too
         result = sweeps.run_sweep(spec, job, resume=resume, say=say)
+    sweeps.disconnect()  # before printing: Ray's background threads print warnings to stdout until then
     if as_json:
         _print_json(result)
     else:
@@ -573,6 +574,7 @@ def bench_packing_cmd(share: float, trials: int | None, hold_s: float, cpus: flo
             result = bench_packing.bench_compare(target, trials or 8, steps, width, batch, gpu_memory_gb, say)
         else:
             result = bench_packing.bench_concurrency(target, share, trials, hold_s, cpus, say, market)
+        sweeps.disconnect()
     if as_json:
         _print_json(result)
     else:

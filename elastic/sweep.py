@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import asdict
@@ -290,7 +291,8 @@ def report(sweep: SweepSpec, job: JobSpec, results, saved: dict, seconds: float)
     trials = []
     for result in results:
         metrics = result.metrics or {}
-        trial_id = metrics.get("trial_id") or os.path.basename(str(result.path)).split("_")[-1]
+        found = re.search(r"_([0-9a-f]{5}_\d{5})(?:_|$)", os.path.basename(str(result.path)))
+        trial_id = metrics.get("trial_id") or (found.group(1) if found else None)
         record = _read_json(parse_uri(train_root(sweep, job)).child(f"{sweep.name}-{trial_id}", TRIAL_FILE).uri) \
             if trial_id else None
         attempts = (record or {}).get("attempts", [])
@@ -360,6 +362,12 @@ def _count(trials, status: str) -> int:
 
 # ---------------------------------------------------------------------------------------------------------
 # Driver connection
+
+
+def disconnect() -> None:
+    import ray
+
+    ray.shutdown()
 
 
 def connect(job: JobSpec | None = None) -> None:
