@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from elastic.bench_packing import max_overlap
@@ -69,3 +71,42 @@ def test_max_overlap():
     assert max_overlap([(0, 10), (1, 5), (2, 3), (6, 7)]) == 3
     assert max_overlap([(0, 1), (1, 2)]) == 1  # touching intervals do not overlap
     assert max_overlap([]) == 0
+
+
+def test_oom_injection_knob_parses():
+    from elastic.sharing import _parse_injection
+
+    assert _parse_injection("") is None
+    assert _parse_injection("12:0.5") == (12, 0.5)
+    assert _parse_injection("7") == (7, 1.01)  # no share: fires at any share
+    with pytest.raises(ValueError, match="expected STEP:SHARE"):
+        _parse_injection("x:y")
+
+
+def test_injected_oom_fires_only_below_the_share():
+    import torch
+
+    from elastic.sharing import _ProbeDone, _StepWatch
+
+    class FakeSession:  # what _StepWatch uses of a session: step() and step_count
+        step_count = 0
+
+        def step(self, metrics=None):
+            self.step_count += 1
+
+    os.environ["ELASTIC_INJECT_OOM"] = "2:0.5"
+    try:
+        small, big = FakeSession(), FakeSession()
+        _StepWatch(small, 0.25, None), _StepWatch(big, 0.5, None)
+        small.step()
+        with pytest.raises(torch.OutOfMemoryError):
+            small.step()
+        big.step(), big.step(), big.step()
+        assert big.step_count == 3
+        probe = FakeSession()
+        _StepWatch(probe, 1.0, 3)
+        probe.step(), probe.step()
+        with pytest.raises(_ProbeDone):
+            probe.step()  # the probe ends after its steps
+    finally:
+        del os.environ["ELASTIC_INJECT_OOM"]
