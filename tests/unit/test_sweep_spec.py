@@ -126,3 +126,9 @@ def test_cli_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: {path}:7: gpu_share: use a number in (0, 1] (e.g. 0.25) "
                                                 f"or auto (got 2)"]
+
+
+def test_shipped_schema_is_current():
+    import json
+
+    assert json.loads((REPO / "docs" / "sweep.schema.json").read_text()) == sweep_schema()
