@@ -5,6 +5,7 @@ User errors print one line and exit 2; a job that fails exits 1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -485,6 +486,106 @@ def bench_overhead_cmd(uri: str | None, workers: int, rounds: int, steps: int, w
         _print_json(result)
     else:
         _show_bench("overhead", result, {"overhead_ratio": 1.02, "ckpt_overhead_ratio": 1.05})
+
+
+@cli.command("sweep")
+@click.argument("sweep_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE",
+              help="Override a sweep field, e.g. --set num_samples=4 --set gpu_share=0.5.")
+@click.option("--resume", is_flag=True, help="Require an existing sweep to restore (running it again restores "
+                                             "one anyway when there is one).")
+@click.option("--json", "as_json", is_flag=True, help="Print trials, best_config, plan as JSON (progress on stderr).")
+def sweep_cmd(sweep_file: Path, overrides: tuple[str, ...], resume: bool, as_json: bool) -> None:
+    """Run a hyperparameter sweep whose trials share GPUs (Ray Tune over Ray Train V2).
+
+    Each trial runs the sweep's job under its own run name; running the same sweep again restores the
+    experiment and resumes unfinished trials from their checkpoints.
+
+    \b
+    Example:
+      elastic local up --spot 2 --on-demand 1 --gpus-per-node 2 --cpus-per-node 2
+      elastic sweep jobs/digits_sweep.yaml
+    """
+    from elastic import sweep as sweeps
+    from elastic.sweep_spec import load_sweep_spec
+
+    spec, job = load_sweep_spec(sweep_file, overrides)
+    sweeps.connect(job)
+    say = (lambda m: click.echo(f"[sweep] {m}", err=True)) if as_json else (lambda m: click.echo(f"[sweep] {m}"))
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():  # Tune prints too
+        result = sweeps.run_sweep(spec, job, resume=resume, say=say)
+    sweeps.disconnect()  # before printing: Ray's background threads print warnings to stdout until then
+    if as_json:
+        _print_json(result)
+    else:
+        _show_sweep(result)
+    if result["errors"]:
+        sys.exit(1)
+
+
+def _show_sweep(result: dict) -> None:
+    keys = sorted({k for t in result["trials"] for k in (t["params"] or {})})
+    table = Table("trial", *keys, result["metric"], "state", "iters", "share", "restarts")
+    for t in result["trials"]:
+        metric = t["metric"]
+        table.add_row(t["trial_id"], *[_fmt(t["params"].get(k)) for k in keys],
+                      _fmt(metric), t["state"], str(t["iterations"]), str(t["gpu_share"]), str(t["restarts"]))
+    Console(highlight=False, width=max(console.width, 140)).print(table)  # not folded in a pipe's 80 columns
+    plan = result["plan"]
+    console.print(f"packing: {plan['trials_per_gpu']} per GPU, share {plan['share']} ({plan['reason']})")
+    console.print(f"best config ({result['mode']} {result['metric']} = {_fmt(result['best_metric'])}): "
+                  f"{json.dumps(result['best_config'])}")
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+@bench_group.command("packing")
+@click.option("--share", default=0.25, show_default=True, type=click.FloatRange(0, 1, min_open=True),
+              help="GPU share of each trial.")
+@click.option("--trials", type=click.IntRange(1), help="Trials (default: 1/share per GPU of the cluster).")
+@click.option("--hold", "hold_s", default=180.0, show_default=True, type=click.FloatRange(1),
+              help="Longest a trial waits at the barrier for the others.")
+@click.option("--cpus", default=0.05, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="CPUs per trial worker (logical accounting).")
+@click.option("--market", default="any", show_default=True, type=click.Choice(["any", "spot", "on-demand"]),
+              help="Worker nodes whose GPUs the trials share.")
+@click.option("--compare", is_flag=True, help="Real GPUs: auto against whole-GPU trials (trials/hour, GPU util).")
+@click.option("--steps", default=300, show_default=True, type=click.IntRange(1), help="--compare: steps per trial.")
+@click.option("--width", default=1024, show_default=True, type=click.IntRange(8), help="--compare: MLP width.")
+@click.option("--batch", default=256, show_default=True, type=click.IntRange(1), help="--compare: batch size.")
+@click.option("--gpu-memory-gb", type=click.FloatRange(0, min_open=True),
+              help="--compare without CUDA (dry run): declared peak per trial on a 16 GB logical GPU.")
+@click.option("--uri", help="Storage root (default: the local stack's s3://BUCKET/bench).")
+@click.option("--json", "as_json", is_flag=True)
+def bench_packing_cmd(share: float, trials: int | None, hold_s: float, cpus: float, market: str, compare: bool,
+                      steps: int,
+                      width: int, batch: int, gpu_memory_gb: float | None, uri: str | None, as_json: bool) -> None:
+    """GPU sharing: concurrency reached against requested, and Tune's scheduling overhead (logical GPUs work);
+    with --compare, trials per hour and GPU utilization of `auto` against whole-GPU trials (real GPUs).
+
+    \b
+    Example:
+      elastic local up --spot 2 --on-demand 1 --gpus-per-node 2 --cpus-per-node 2
+      elastic bench packing --share 0.25 --json
+    """
+    from elastic import bench_packing
+    from elastic import sweep as sweeps
+
+    target = _bench_target(uri, "bench")
+    sweeps.connect()
+    say = (lambda m: click.echo(f"[bench] {m}", err=True))
+    with contextlib.redirect_stdout(sys.stderr):  # Tune prints its own banners
+        if compare:
+            result = bench_packing.bench_compare(target, trials or 8, steps, width, batch, gpu_memory_gb, say)
+        else:
+            result = bench_packing.bench_concurrency(target, share, trials, hold_s, cpus, say, market)
+        sweeps.disconnect()
+    if as_json:
+        _print_json(result)
+    else:
+        _show_bench("packing", {k: json.dumps(v) if isinstance(v, dict) else v for k, v in result.items()}, {})
 
 
 @cli.command("demo")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -307,6 +308,9 @@ _PATTERN_HINTS = {
 def _allowed_fields(model: type[BaseModel], loc: tuple) -> list[str]:
     current: Any = model
     for part in loc:
+        if typing.get_origin(current) is dict:  # dict[str, Model] (a sweep's space): `part` is a key
+            current = typing.get_args(current)[1]
+            continue
         field = getattr(current, "model_fields", {}).get(part)
         if field is None:
             return []

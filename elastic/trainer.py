@@ -7,6 +7,7 @@ market by Ray node labels.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -78,26 +79,54 @@ def run_directory(spec: JobSpec, run_name: str) -> str:
     return parse_uri(spec.checkpoint.uri).child(run_name).uri
 
 
-def build_trainer(spec: JobSpec, run_name: str, placement: Placement | None = None):
-    """`placement` (spot-first only) pins this fit() to one market and tells the sessions how to end it."""
+@dataclass(frozen=True)
+class TrialSharing:
+    """A sweep trial's run (elastic.sweep): every worker asks for `share` of a GPU, ranks are placed by
+    `strategy`, workers run elastic.sharing's wrapper, and (inside Tune) metrics flow to Tune."""
+
+    share: float
+    memory_fraction: float
+    strategy: str = "PACK"
+    probe_steps: int | None = None
+    report_to_tune: bool = True
+
+
+def build_trainer(spec: JobSpec, run_name: str, placement: Placement | None = None,
+                  sharing: TrialSharing | None = None):
+    """`placement` (from the driver loop) pins this fit() to a market and a size and tells the sessions how to
+    end it; `sharing` makes it a sweep trial on a share of a GPU."""
     from ray.train import CheckpointConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     filesystem, storage_path = pyarrow_filesystem(spec.checkpoint.uri)
     logical_gpus = os.environ.get("ELASTIC_LOGICAL_GPUS") == "1"
+    workers, function, callbacks = spec.workers, _worker_main, []
+    payload = {"spec": spec.model_dump(mode="json"), "run_name": run_name,
+               "placement": asdict(placement) if placement else None}
+    if sharing is not None:
+        from elastic.sharing import trial_worker_main
+
+        workers, function = workers.model_copy(update={"gpus": sharing.share}), trial_worker_main
+        payload["sharing"] = asdict(sharing)
+        if sharing.report_to_tune:
+            from ray.tune.integration.ray_train import TuneReportCallback
+
+            callbacks = [TuneReportCallback()]
+    scaling = scaling_config(workers, placement.market if placement else None,
+                             placement.workers if placement else None, placement.avoid_nodes if placement else ())
+    if sharing is not None:
+        scaling = dataclasses.replace(scaling, placement_strategy=sharing.strategy)
     return TorchTrainer(
-        _worker_main,
-        train_loop_config={"spec": spec.model_dump(mode="json"), "run_name": run_name,
-                           "placement": asdict(placement) if placement else None},
-        torch_config=TorchConfig(backend=torch_backend(spec.workers, logical_gpus)),
-        scaling_config=scaling_config(spec.workers, placement.market if placement else None,
-                                      placement.workers if placement else None,
-                                      placement.avoid_nodes if placement else ()),
+        function,
+        train_loop_config=payload,
+        torch_config=TorchConfig(backend=torch_backend(workers, logical_gpus)),
+        scaling_config=scaling,
         run_config=RunConfig(
             name=run_name,
             storage_path=storage_path,
             storage_filesystem=filesystem,
             failure_config=failure_config(spec.failure),
+            callbacks=callbacks,
             # Retention is ours (elastic.checkpoint): after a newer commit, marker first, folder kept as a
             # tombstone so Ray's run snapshot stays valid. Ray's own pruning ran too late to rely on at run end.
             checkpoint_config=CheckpointConfig(num_to_keep=None),
@@ -164,7 +193,7 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
     checkpoint: str | None = None
     placements: list[dict] = []
     try:
-        result = _run_placements(spec, run_name, run_uri, placements)
+        result = fit_run(spec, run_name, run_uri, placements)
         metrics = dict(result.metrics or {})
         checkpoint = _checkpoint_uri(spec, result.checkpoint)
     except Exception as err:  # the run's own failure: reported in the summary and the job status
@@ -186,7 +215,18 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
     return summary
 
 
-def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list[dict]):
+def fit_run(spec: JobSpec, run_name: str, run_uri: str, placements: list[dict],
+            sharing: TrialSharing | None = None):
+    """Run to the end: the driver's sequence of placements (_run_placements). A sweep trial (`sharing`) is one
+    fit() unless spot-first: Tune already schedules trials by capacity, and a trial's just-in-time checkpoint
+    then waits for Ray Train's restart."""
+    if sharing is not None and spec.workers.market != "spot-first":
+        return build_trainer(spec, run_name, sharing=sharing).fit()
+    return _run_placements(spec, run_name, run_uri, placements, sharing)
+
+
+def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list[dict],
+                    sharing: TrialSharing | None = None):
     """The driver loop: one fit() per placement, until one finishes the run.
 
     A placement ends early, always at a committed checkpoint and with no step lost, when
@@ -232,7 +272,7 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
             elif current.resizable:
                 watcher = policy.GrowWatcher(workers, control, current.id, market, poll_seconds=poll).start()
             try:
-                result = build_trainer(spec, run_name, current).fit()
+                result = build_trainer(spec, run_name, current, sharing).fit()
             except Exception as err:
                 if not _retry_controller_error(err, spec, record, failures := failures + 1):
                     raise

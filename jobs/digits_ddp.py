@@ -63,17 +63,19 @@ def train(session) -> None:
     session.restore()
 
     epochs, score, last_epoch = cfg.get("epochs", 10), 0.0, loader.epoch
+    total, count = 0.0, 0  # this epoch's mean loss so far (on this rank): a steadier metric than one batch's
     for epoch, (x, y) in loader.epochs(epochs):
         if epoch != last_epoch:  # an epoch just ended
             score = accuracy(session, model, test_set)
             session.log(f"epoch {last_epoch} step {session.step_count} held-out accuracy {score:.4f}")
-            last_epoch = epoch
+            last_epoch, total, count = epoch, 0.0, 0
         logits = model(x.to(session.device))
         # sum / batch keeps an empty tail batch (possible at some world sizes) from producing NaN
         loss = F.cross_entropy(logits, y.to(session.device), reduction="sum") / max(len(y), 1)
         # backward, optimizer step (precision, accumulation, NaN guard from the spec's `train:`), checkpoints
-        session.optimize(loss, {"epoch": epoch, "loss": loss.item()})
+        total, count = total + loss.item(), count + 1
+        session.optimize(loss, {"epoch": epoch, "loss": loss.item(), "mean_loss": total / count})
 
     score = accuracy(session, model, test_set)
     session.log(f"epoch {epochs - 1} step {session.step_count} held-out accuracy {score:.4f}")
-    session.finish({"epoch": epochs - 1, "accuracy": score})
+    session.finish({"epoch": epochs - 1, "accuracy": score, "mean_loss": total / count if count else float("nan")})

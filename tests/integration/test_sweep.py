@@ -1,0 +1,181 @@
+"""Sweeps on a real local stack with logical GPUs (2 spot nodes and 1 on-demand node, 1 GPU each):
+
+1. packing: 4 trials at share 0.25 hold one GPU at once (elastic bench packing, through the real sweep path);
+2. out of memory: trials that hit an (injected) OOM at share 0.25 are retried at 0.5 and resume from their
+   checkpoint; the 2-rank DDP trial's ranks sit on different GPUs, before and after;
+3. ASHA stops bad trials early, and a sweep whose driver is killed resumes when run again: finished trials
+   are not redone, and an interrupted trial resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = ROOT / "jobs" / "digits_ddp.yaml"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, cli_factory):
+    cli = cli_factory(tmp_path_factory.mktemp("elastic-home-sweep"))
+    try:
+        up = cli.run("local", "up", "--spot", "2", "--on-demand", "1", "--gpus-per-node", "1",
+                     "--cpus-per-node", "2", "--json", check=True, timeout=300)
+        info = json.loads(up.stdout)
+        info["cli"] = cli
+        yield info
+    finally:
+        cli.run("local", "down", timeout=120)
+
+
+def write_sweep(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    return path
+
+
+def storage(stack):
+    """fsspec S3 filesystem on the stack's endpoint (what the trials write to)."""
+    import s3fs
+
+    env = stack["env"]
+    return s3fs.S3FileSystem(key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
+                             client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL"], "region_name": "us-east-1"})
+
+
+def read(fs, path: str):
+    fs.invalidate_cache()
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as handle:
+        return json.load(handle)
+
+
+def test_four_trials_share_one_gpu_at_once(stack):
+    proc = stack["cli"].run("bench", "packing", "--market", "on-demand", "--share", "0.25", "--json", timeout=420)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["gpus"] == 1 and result["trials"] == 4 and result["requested_concurrency"] == 4
+    assert result["reached_concurrency"] == 4, result
+    assert list(result["trials_per_gpu"].values()) == [4] and result["errors"] == 0
+
+
+def test_out_of_memory_retried_with_bigger_share_and_ddp_ranks_on_distinct_gpus(stack, tmp_path):
+    name = f"oom-{uuid.uuid4().hex[:6]}"
+    sweep = write_sweep(tmp_path, f"""
+name: {name}
+job: {DIGITS}
+overrides:
+  workers: {{max: null, cpus: 0.25}}
+  config: {{epochs: 1}}
+  checkpoint: {{every_steps: 5}}
+  failure: {{max_failures: 0}}
+  runtime_env: {{env_vars: {{ELASTIC_INJECT_OOM: "12:0.5"}}}}   # OOM after step 12 below a 0.5 share
+space:
+  workers.min: {{grid: [1, 2]}}
+metric: mean_loss
+mode: min
+gpu_share: 0.25
+""")
+    proc = stack["cli"].run("sweep", str(sweep), "--json", timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    trials = {t["params"]["workers.min"]: t for t in result["trials"]}
+    assert set(trials) == {1, 2}
+    for trial in trials.values():
+        assert trial["state"] == "TERMINATED" and trial["ooms"] == 1, trial
+        assert trial["gpu_share"] == 0.5 and trial["restarts"] == 1
+        # the retry resumed from a checkpoint before the OOM (step 10's save may still have been in flight)
+        assert trial["resumed_from"][0] is None and trial["resumed_from"][1] in (5, 10), trial
+    fs = storage(stack)
+    gpus = read(fs, f"elastic/runs/{name}/train/{name}-{trials[2]['trial_id']}/gpus.json")
+    assert len(gpus) == 2 and len({(g["node"], tuple(g["gpus"])) for g in gpus}) == 2, gpus
+
+
+def test_asha_stops_bad_trials_and_a_killed_sweep_resumes(stack, tmp_path):
+    name = f"asha-{uuid.uuid4().hex[:6]}"
+    sweep = write_sweep(tmp_path, f"""
+name: {name}
+job: {DIGITS}
+overrides:
+  entrypoint: tests/integration/jobs/sweep_slow.py:train
+  workers: {{min: 1, max: 1, cpus: 0.25}}
+  config: {{epochs: 1, step_delay: 0.15}}
+  checkpoint: {{every_steps: 5}}
+space:
+  lr: {{grid: [0.1, 0.00001, 0.05, 0.00002]}}
+metric: mean_loss
+mode: min
+scheduler: {{type: asha, max_t: 20, grace_period: 2, reduction_factor: 2}}   # rungs at 2, 4, 8 reports
+max_concurrent: 2
+gpu_share: 0.25
+""")
+    fs = storage(stack)
+    train = f"elastic/runs/{name}/train"
+    args = [sys.executable, "-m", "elastic", "sweep", str(sweep), "--json"]
+    driver = subprocess.Popen(args, cwd=ROOT, env=stack["cli"].env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    finished, interrupted, changed = set(), {}, {}
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and driver.poll() is None:
+            finished, steps = progress(fs, train)
+            now = time.monotonic()
+            for run, step in steps.items():
+                if interrupted.get(run) != step:
+                    changed[run] = now
+            # running = checkpointing lately (a trial ASHA stopped keeps its checkpoints but stops advancing)
+            interrupted = {run: step for run, step in steps.items() if now - changed.get(run, now) < 5}
+            if finished and interrupted:
+                break
+            interrupted = steps
+            time.sleep(0.5)
+        assert driver.poll() is None, "the sweep ended before it could be interrupted"
+        assert finished and interrupted, "no moment with a finished trial and a checkpointed running one"
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver dies: Tune, its trials and their Train runs with it
+        driver.wait()
+    proc = stack["cli"].run("sweep", str(sweep), "--resume", "--json", timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    by_run = {f"{name}-{t['trial_id']}": t for t in result["trials"]}
+    assert len(by_run) == 4
+    for run in finished:  # not redone: one attempt, started before the kill
+        assert len(by_run[run]["resumed_from"]) == 1, by_run[run]
+    for run, step in interrupted.items():  # restarted from the checkpoint it had when the driver died
+        if by_run[run]["state"] == "TERMINATED" or len(by_run[run]["resumed_from"]) > 1:
+            assert by_run[run]["resumed_from"][-1] >= step, (run, step, by_run[run])
+    assert any(len(by_run[r]["resumed_from"]) > 1 and by_run[r]["resumed_from"][-1] >= 5 for r in interrupted)
+    stopped = [t for t in result["trials"] if t["state"] == "STOPPED"]
+    done = [t for t in result["trials"] if t["state"] == "TERMINATED"]
+    assert stopped and done, result["trials"]
+    assert all(t["iterations"] < min(d["iterations"] for d in done) for t in stopped)
+    assert any(t["params"]["lr"] < 0.001 for t in stopped)
+    assert result["best_config"]["lr"] >= 0.05
+
+
+def progress(fs, train: str) -> tuple[set, dict]:
+    """Trials finished, and unfinished trials with a committed checkpoint (run name -> latest step)."""
+    fs.invalidate_cache()
+    finished, interrupted = set(), {}
+    for record_path in fs.glob(f"{train}/*/elastic-trial.json"):
+        record = read(fs, record_path) or {}
+        run = record_path.split("/")[-2]
+        if record.get("finished"):
+            finished.add(run)
+            continue
+        steps = [int(p.split("step-")[-1].split("/")[0]) for p in fs.glob(f"{train}/{run}/step-*/COMMITTED.json")]
+        if steps:
+            interrupted[run] = max(steps)
+    return finished, interrupted
