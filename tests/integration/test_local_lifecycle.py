@@ -37,7 +37,10 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         marker = state["marker"]
         pids = stack_pids(marker)
         roles = {r["role"] for r in state["roots"]}
-        assert roles == {"s3", "head", "on-demand-0", "spot-0"}
+        # a spot node comes with its metadata endpoint and preemption watcher, as on a cloud
+        assert roles == {"s3", "head", "on-demand-0", "spot-0", "metadata-spot-0", "watcher-spot-0"}
+        spot = [n for n in state["nodes"] if n["name"] == "spot-0"][0]
+        assert spot["metadata_url"].startswith("http://127.0.0.1:")
         assert len(pids) >= 8  # ray start x3, gcs, raylets, dashboard, agents, moto...
 
         status = json.loads(cli.run("local", "status", "--json", check=True).stdout)
