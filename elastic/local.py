@@ -81,6 +81,7 @@ class LocalState:
     roots: list[dict] = field(default_factory=list)
     ports: dict = field(default_factory=dict)
     retired: list[str] = field(default_factory=list)  # names of nodes that were reclaimed (elastic preempt)
+    node_temp_dirs: list[str] = field(default_factory=list)  # each worker node's own Ray temp dir
 
     def env(self) -> dict[str, str]:
         """Environment under which Ray's CLI, boto3, s3fs and our drivers talk to this stack."""
@@ -239,7 +240,13 @@ def _start_node(ray_bin: str, node: NodePlan, state: LocalState, env: dict, logs
         ]
     else:
         # All nodes share one log folder here; a log monitor per node would print every line N times.
-        args += [f"--address={state.ray_address}", "--include-log-monitor=false"]
+        # Each node gets a temp dir of its own, as separate machines have: nodes sharing the head's would share
+        # one runtime_resources folder, and one node's runtime-env agent deleting a job's working_dir there
+        # (its last worker of that job exited) pulled it from under workers starting on another node (seen:
+        # "FileNotFoundError" from getcwd and "oneMKL: Cannot load libtorch_cpu.so" at worker start).
+        node_temp = tempfile.mkdtemp(prefix=f"el-{state.marker[:6]}-{node.name}-", dir="/tmp")
+        state.node_temp_dirs.append(node_temp)
+        args += [f"--address={state.ray_address}", "--include-log-monitor=false", f"--temp-dir={node_temp}"]
     return processes.launch(args, node.name, state.marker, env, logs / f"{node.name}.log")
 
 
@@ -346,9 +353,11 @@ def add_node(market: str, cpus: int | None = None, gpus: int | None = None, time
     os.environ["RAY_AUTH_MODE"] = AUTH_MODE  # this process polls the stack's dashboard
     env = {**state.env(), "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     launched = _start_node(_binary("ray", "ray[default]"), node, state, env, home_dir() / "local" / "logs")
+    node_temp = state.node_temp_dirs[-1]
     with state_lock():  # first, so `down` stops it even if it never joins
         state = load_state() or state
         state.roots.append(launched.to_dict())
+        state.node_temp_dirs.append(node_temp)
         _save_state(state)
     joined = _wait_for_nodes(state, [node], timeout)[0]
     daemons = LocalState(**{**asdict(state), "roots": []})
@@ -376,7 +385,8 @@ def down() -> int:
     if left:
         raise ClusterError(f"{len(left)} local stack processes would not stop (pids "
                            f"{', '.join(str(p.pid) for p in left[:5])}); kill them by hand")
-    shutil.rmtree(state.temp_dir, ignore_errors=True)
+    for folder in [state.temp_dir, *state.node_temp_dirs]:
+        shutil.rmtree(folder, ignore_errors=True)
     state_path().unlink(missing_ok=True)
     return stopped
 

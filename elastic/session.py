@@ -124,6 +124,8 @@ class Session:
         # Metrics of saves not yet reported to Ray; a reporter thread tells Ray of each save once it commits.
         self._unreported: dict[int, dict] = {}
         self._skipped: SaveResult | None = None  # the newest commit not reported (the reporter was busy)
+        # Sweep trials: every commit is a Tune iteration (ASHA's rungs count them), so none is passed over.
+        self.report_every_commit = False
         self._report_lock = threading.Lock()
         self._reports: queue.Queue = queue.Queue()
         self._report_error: BaseException | None = None
@@ -433,7 +435,7 @@ class Session:
             metrics = self._unreported.get(result.step, {"step": result.step})
         self.log(f"checkpoint at step {result.step} committed (stall {result.blocked_seconds * 1000:.1f} ms, "
                  f"write {result.total_seconds:.2f} s): {_format(metrics)}")
-        if self._reporter_free():
+        if self.report_every_commit or self._reporter_free():
             self._skipped = None
             self._reports.put(result)
         else:

@@ -54,6 +54,7 @@ def trial_worker_main(payload: dict) -> None:
     os.environ[SHARE_VARIABLE] = str(share)
     function = resolve_entrypoint(spec.entrypoint)
     session = Session(spec, payload["run_name"], placement=payload.get("placement"))
+    session.report_every_commit = True  # each report is a Tune iteration: schedulers count them
     fs, root = session.store.fs, session.store.root
     _check_distinct_gpus(session, fs, root)
     _cap_memory(session, sharing["memory_fraction"])
