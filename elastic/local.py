@@ -239,14 +239,14 @@ def _start_node(ray_bin: str, node: NodePlan, state: LocalState, env: dict, logs
             f"--ray-client-server-port={state.ports['client']}",
         ]
     else:
-        # All nodes share one log folder here; a log monitor per node would print every line N times.
         # Each node gets a temp dir of its own, as separate machines have: nodes sharing the head's would share
         # one runtime_resources folder, and one node's runtime-env agent deleting a job's working_dir there
         # (its last worker of that job exited) pulled it from under workers starting on another node (seen:
-        # "FileNotFoundError" from getcwd and "oneMKL: Cannot load libtorch_cpu.so" at worker start).
+        # "FileNotFoundError" from getcwd and "oneMKL: Cannot load libtorch_cpu.so" at worker start). With
+        # its own log folder, each node also runs its own log monitor, which streams its workers' output.
         node_temp = tempfile.mkdtemp(prefix=f"el-{state.marker[:6]}-{node.name}-", dir="/tmp")
         state.node_temp_dirs.append(node_temp)
-        args += [f"--address={state.ray_address}", "--include-log-monitor=false", f"--temp-dir={node_temp}"]
+        args += [f"--address={state.ray_address}", f"--temp-dir={node_temp}"]
     return processes.launch(args, node.name, state.marker, env, logs / f"{node.name}.log")
 
 
