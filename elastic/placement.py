@@ -366,8 +366,30 @@ def wait_for_spot(workers: WorkersSpec, observe: Callable[[], list[NodeView]] = 
         sleep(max(0.05, min(poll_seconds, remaining)))
 
 
+class _PollingThread:
+    """What the driver's watchers share: `poll_once()` every `poll_seconds` in a daemon thread until stop()."""
+
+    def start(self):
+        self._thread = threading.Thread(target=self._run, name=f"elastic-{type(self).__name__}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception as err:  # loop boundary: a failed poll (GCS hiccup, S3 error) retries next time
+                print(f"[elastic] placement: capacity poll failed ({type(err).__name__}: {err})", flush=True)
+            self._stop.wait(self.poll_seconds)
+
+
 @dataclass
-class SwapWatcher:
+class SwapWatcher(_PollingThread):
     """Background thread of the driver while a placement runs on on-demand: when decide_swap says so, write the
     request; if spot capacity goes away before the session acknowledged, withdraw it."""
 
@@ -379,16 +401,6 @@ class SwapWatcher:
     requested: bool = False
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
-
-    def start(self) -> "SwapWatcher":
-        self._thread = threading.Thread(target=self._run, name="elastic-swap-watcher", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
 
     def poll_once(self) -> Decision:
         decision = decide_swap(self.workers, self.observe())
@@ -402,14 +414,6 @@ class SwapWatcher:
             log_decision(Decision("stay", f"spot capacity went away before the checkpoint ({decision.reason}); "
                                           "request withdrawn", decision.spot_slots))
         return decision
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll_once()
-            except Exception as err:  # loop boundary: a failed poll (GCS hiccup, S3 error) retries next time
-                print(f"[elastic] placement: capacity poll failed ({type(err).__name__}: {err})", flush=True)
-            self._stop.wait(self.poll_seconds)
 
 
 def wait_for_workers(workers: WorkersSpec, market: str, observe: Callable[[], list[NodeView]] = observe_nodes,
@@ -437,7 +441,7 @@ def wait_for_workers(workers: WorkersSpec, market: str, observe: Callable[[], li
 
 
 @dataclass
-class GrowWatcher:
+class GrowWatcher(_PollingThread):
     """Background thread of the driver while an elastic placement runs below max: once free capacity for more
     workers has been seen steadily for `steady_seconds`, ask the placement to end at its next checkpoint (the
     driver restarts it larger). A reading that flips back resets the clock, so nothing flaps."""
@@ -453,16 +457,6 @@ class GrowWatcher:
     _since: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
-
-    def start(self) -> "GrowWatcher":
-        self._thread = threading.Thread(target=self._run, name="elastic-grow-watcher", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
 
     def poll_once(self) -> Decision:
         decision = decide_grow(self.workers, self.observe(), self.market,
@@ -482,11 +476,3 @@ class GrowWatcher:
                 log_decision(Decision("stay", f"capacity went away before the checkpoint ({decision.reason}); "
                                               "request withdrawn", decision.spot_slots))
         return decision
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll_once()
-            except Exception as err:  # loop boundary: a failed poll (GCS hiccup, S3 error) retries next time
-                print(f"[elastic] placement: capacity poll failed ({type(err).__name__}: {err})", flush=True)
-            self._stop.wait(self.poll_seconds)

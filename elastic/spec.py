@@ -205,6 +205,13 @@ def load_job_spec(path: str | Path, overrides: tuple[str, ...] | list[str] = ())
 
 
 def parse_job_spec(text: str, source: str = "<job>", overrides: tuple[str, ...] | list[str] = ()) -> JobSpec:
+    return parse_spec(text, JobSpec, source, overrides, "a job file must be a YAML mapping with name, entrypoint, "
+                                                         "workers, checkpoint")
+
+
+def parse_spec(text: str, model: type[BaseModel], source: str, overrides: tuple[str, ...] | list[str],
+               not_a_mapping: str):
+    """YAML text -> `model`, with --set overrides; every problem one SpecError line (shared by job and sweep)."""
     try:
         raw = yaml.safe_load(text)
         root = yaml.compose(text)
@@ -214,12 +221,12 @@ def parse_job_spec(text: str, source: str = "<job>", overrides: tuple[str, ...] 
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise SpecError(f"{where}: not valid YAML ({problem}); fix the syntax") from None
     if not isinstance(raw, dict):
-        raise SpecError(f"{source}: a job file must be a YAML mapping with name, entrypoint, workers, checkpoint")
+        raise SpecError(f"{source}: {not_a_mapping}")
     raw = apply_overrides(raw, overrides)
     try:
-        return JobSpec.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as err:
-        raise SpecError(_describe(err, JobSpec, root, source, overrides)) from None
+        raise SpecError(_describe(err, model, root, source, overrides)) from None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: tuple[str, ...] | list[str]) -> dict[str, Any]:

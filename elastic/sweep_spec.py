@@ -24,11 +24,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from elastic.errors import SpecError
-from elastic.spec import _NAME_PATTERN, JobSpec, _describe, _Frozen, apply_overrides, parse_job_spec
+from elastic.spec import _NAME_PATTERN, JobSpec, _describe, _Frozen, apply_overrides, parse_job_spec, parse_spec
 
 Mode = Literal["min", "max"]
 
@@ -179,21 +178,8 @@ def load_sweep_spec(path: str | Path, overrides: tuple[str, ...] | list[str] = (
 
 
 def parse_sweep_spec(text: str, source: str = "<sweep>", overrides: tuple[str, ...] | list[str] = ()) -> SweepSpec:
-    try:
-        raw = yaml.safe_load(text)
-        root = yaml.compose(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise SpecError(f"{where}: not valid YAML ({problem}); fix the syntax") from None
-    if not isinstance(raw, dict):
-        raise SpecError(f"{source}: a sweep file must be a YAML mapping with name, job, space, metric, mode")
-    raw = apply_overrides(raw, overrides)
-    try:
-        return SweepSpec.model_validate(raw)
-    except ValidationError as err:
-        raise SpecError(_describe(err, SweepSpec, root, source, overrides)) from None
+    return parse_spec(text, SweepSpec, source, overrides,
+                      "a sweep file must be a YAML mapping with name, job, space, metric, mode")
 
 
 def load_trial_job(sweep: SweepSpec, base: Path = Path(".")) -> JobSpec:
