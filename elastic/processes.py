@@ -19,6 +19,21 @@ import psutil
 MARKER_VARIABLE = "ELASTIC_LOCAL_STACK"
 
 
+def start_ticks(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (Linux), or None where /proc is not there.
+
+    psutil's create_time() is boot time plus this, and boot time is derived from the wall clock: when a VM's
+    clock is stepped (an NTP correction, a snapshot restored), every process's create_time moves with it and
+    a live daemon looks like a recycled PID. Ticks since boot never move.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22 (starttime) counted after the ")" that ends the command name, which may itself hold spaces.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
 @dataclass(frozen=True)
 class Launched:
     """A root process we started: enough to find it again and to be sure it is still the same process."""
@@ -26,18 +41,27 @@ class Launched:
     pid: int
     create_time: float
     role: str
+    start_ticks: int | None = None
 
     def to_dict(self) -> dict:
-        return {"pid": self.pid, "create_time": self.create_time, "role": self.role}
+        data = {"pid": self.pid, "create_time": self.create_time, "role": self.role}
+        if self.start_ticks is not None:
+            data["start_ticks"] = self.start_ticks
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Launched":
-        return cls(pid=int(data["pid"]), create_time=float(data["create_time"]), role=str(data["role"]))
+        ticks = data.get("start_ticks")
+        return cls(pid=int(data["pid"]), create_time=float(data["create_time"]), role=str(data["role"]),
+                   start_ticks=None if ticks is None else int(ticks))
 
     def process(self) -> psutil.Process | None:
         try:
             proc = psutil.Process(self.pid)
             # A recycled PID belongs to someone else: compare start times before touching it.
+            ticks = start_ticks(self.pid) if self.start_ticks is not None else None
+            if ticks is not None:
+                return proc if ticks == self.start_ticks else None
             if abs(proc.create_time() - self.create_time) > 1.0:
                 return None
             return proc
@@ -58,7 +82,8 @@ def launch(args: list[str], role: str, marker: str, env: dict[str, str], log_pat
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    return Launched(pid=proc.pid, create_time=psutil.Process(proc.pid).create_time(), role=role)
+    return Launched(pid=proc.pid, create_time=psutil.Process(proc.pid).create_time(), role=role,
+                    start_ticks=start_ticks(proc.pid))
 
 
 def find_marked(marker: str) -> list[psutil.Process]:

@@ -105,6 +105,20 @@ def test_launched_with_a_different_create_time_is_not_that_process():
     assert recycled.process() is None
 
 
+def test_launched_survives_a_wall_clock_step():
+    """A stepped clock (NTP, a restored VM snapshot) moves every create_time; the start in ticks since boot
+    does not, so a live daemon is still recognised, and a different start tick is still a different process."""
+    me = psutil.Process()
+    ticks = processes.start_ticks(me.pid)
+    if ticks is None:
+        pytest.skip("no /proc here: identity falls back to create_time")
+    stepped = Launched(pid=me.pid, create_time=me.create_time() - 3600.0, role="self", start_ticks=ticks)
+    assert stepped.process() is not None
+    recycled = Launched(pid=me.pid, create_time=me.create_time(), role="self", start_ticks=ticks + 1)
+    assert recycled.process() is None
+    assert Launched.from_dict(stepped.to_dict()) == stepped
+
+
 def test_launched_of_a_dead_pid_is_none():
     proc = subprocess.Popen(["true"])
     create_time = psutil.Process(proc.pid).create_time()
