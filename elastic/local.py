@@ -414,10 +414,21 @@ def _binary(name: str, package: str) -> str:
     return found
 
 
+_handed_out: set[int] = set()  # ports given to daemons by this process, bound by them later or not yet
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now and never handed out before by this process. The kernel may offer a port again as soon
+    as our probe socket closes, and the daemons bind theirs seconds later: two components of one node were
+    seen given the same port (Ray refused to start: "metrics_export is trying to use a port number ... that
+    is used by other components")."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def _wait_for_port(port: int, timeout: float, what: str, log: Path) -> None:
