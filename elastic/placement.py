@@ -52,6 +52,7 @@ class NodeView:
     labels: dict[str, str]
     available: dict[str, float]  # free resources now
     draining: bool = False  # a drained node (e.g. a spot notice) is leaving: its capacity does not count
+    total: dict[str, float] = field(default_factory=dict)  # the node's resources, free or not (if known)
 
     @property
     def market(self) -> str | None:
@@ -78,15 +79,25 @@ def worker_resources(workers: WorkersSpec) -> dict[str, float]:
     return resources
 
 
-def worker_slots(nodes: list[NodeView], workers: WorkersSpec, market: str) -> int:
-    """How many more workers of this shape fit, right now, on the live worker nodes of `market`."""
+def worker_slots(nodes: list[NodeView], workers: WorkersSpec, market: str,
+                 released: dict[str, int] | None = None) -> int:
+    """How many more workers of this shape fit on the live worker nodes of `market`: right now, plus the
+    slots that `released` workers (node id -> workers of a placement that is ending) are about to free.
+    Capped at the node's total, so a slot already freed is not counted twice."""
     need = worker_resources(workers)
+    released = released or {}
     total = 0
     for node in nodes:
         if node.draining or not node.is_worker or (market != ANY and node.market != market):
             continue
-        # A little slack: Ray reports fractional resources as floats (0.1 * 10 is not 1.0).
-        total += min(math.floor(node.available.get(name, 0.0) / amount + 1e-9) for name, amount in need.items())
+        fits = []
+        for name, amount in need.items():
+            free = node.available.get(name, 0.0) + released.get(node.node_id, 0) * amount
+            if name in node.total:
+                free = min(free, node.total[name])
+            # A little slack: Ray reports fractional resources as floats (0.1 * 10 is not 1.0).
+            fits.append(math.floor(free / amount + 1e-9))
+        total += min(fits)
     return total
 
 
@@ -114,10 +125,11 @@ def decide_swap(workers: WorkersSpec, nodes: list[NodeView]) -> Decision:
     return Decision("stay", f"{slots} of {workers.min} spot worker slot(s) free", slots)
 
 
-def decide_workers(workers: WorkersSpec, nodes: list[NodeView], market: str) -> Decision:
+def decide_workers(workers: WorkersSpec, nodes: list[NodeView], market: str,
+                   released: dict[str, int] | None = None) -> Decision:
     """How many workers a new placement on `market` starts with: as many as fit, up to max (action start), or
-    wait while fewer than min fit (a reclaimed node not yet replaced)."""
-    slots = worker_slots(nodes, workers, market)
+    wait while fewer than min fit (a reclaimed node not yet replaced). `released`: see worker_slots."""
+    slots = worker_slots(nodes, workers, market, released)
     if slots >= workers.min:
         count = min(slots, workers.max_workers)
         return Decision("start", f"{count} worker(s) on {market} nodes ({slots} slot(s) free)", count)
@@ -170,9 +182,11 @@ class PlacementControl:
     def end_requested(self, placement_id: str) -> bool:
         return self.end_request(placement_id) is not None
 
-    def acknowledge(self, placement_id: str, step: int, kind: str) -> None:
-        """The placement ended at the checkpoint of `step`; kind: swap | grow | preemption."""
-        self._write(ENDED_FILE, {"placement": placement_id, "step": step, "kind": kind, "time": time.time()})
+    def acknowledge(self, placement_id: str, step: int, kind: str, nodes: list[str] | None = None) -> None:
+        """The placement ended at the checkpoint of `step`; kind: swap | grow | preemption. `nodes`: the node
+        of each of its ranks, whose slots are about to be free for the next placement."""
+        self._write(ENDED_FILE, {"placement": placement_id, "step": step, "kind": kind, "time": time.time(),
+                                 "nodes": list(nodes or [])})
 
     def ended(self, placement_id: str) -> dict | None:
         """The acknowledgement of placement `placement_id`, if it ended on request or at a reclaim notice."""
@@ -258,6 +272,7 @@ class PlacementWatch:
     def __init__(self, control: PlacementControl, placement_id: str, rank: int, endable: bool):
         self.control, self.placement_id, self.rank, self.endable = control, placement_id, rank, endable
         self._kind = "ended"
+        self.rank_nodes: list[str] = []  # the node of every rank (the session gathers them at start)
 
     def end_requested(self) -> bool:
         import torch.distributed as dist
@@ -275,7 +290,7 @@ class PlacementWatch:
     def acknowledge(self, step: int, reason: str | None = None) -> str:
         kind = reason or self._kind
         if self.rank == 0:
-            self.control.acknowledge(self.placement_id, step, kind)
+            self.control.acknowledge(self.placement_id, step, kind, self.rank_nodes)
         return {"swap": "moving to spot", "grow": "growing the worker group",
                 "preemption": "a node is being reclaimed"}.get(kind, kind)
 
@@ -313,7 +328,8 @@ def observe_nodes() -> list[NodeView]:
             continue
         node_id = node["NodeID"]
         views.append(NodeView(node_id=node_id, labels=dict(node.get("Labels") or {}),
-                              available=dict(available.get(node_id, {})), draining=node_id in draining))
+                              available=dict(available.get(node_id, {})), draining=node_id in draining,
+                              total=dict(node.get("Resources") or {})))
     return views
 
 
@@ -418,9 +434,11 @@ class SwapWatcher(_PollingThread):
 
 def wait_for_workers(workers: WorkersSpec, market: str, observe: Callable[[], list[NodeView]] = observe_nodes,
                      sleep: Callable[[float], None] = time.sleep, poll_seconds: float = 0.5,
-                     announce_every: int = 60, on_wait: Callable[[Decision], None] = lambda d: None) -> Decision:
+                     announce_every: int = 60, on_wait: Callable[[Decision], None] = lambda d: None,
+                     released: dict[str, int] | None = None) -> Decision:
     """Poll until decide_workers says start. Polls briefly: right after a placement ends its workers' resources
-    are being released, and every second spent here is a second not training. Logs the wait now and then."""
+    are being released, and every second spent here is a second not training. Logs the wait now and then.
+    `released`: the workers of the placement that just ended, per node (their slots count as free)."""
     polls = 0
     while True:
         try:
@@ -428,7 +446,7 @@ def wait_for_workers(workers: WorkersSpec, market: str, observe: Callable[[], li
         except Exception as err:  # loop boundary: a failed poll (GCS hiccup) counts as no capacity seen
             print(f"[elastic] placement: capacity poll failed ({type(err).__name__}: {err})", flush=True)
             nodes = []
-        decision = decide_workers(workers, nodes, market)
+        decision = decide_workers(workers, nodes, market, released)
         # Logged from the fourth poll on: a released group's slots normally show up within a few polls.
         if decision.action == "start" or polls % announce_every == 3:
             log_decision(decision)

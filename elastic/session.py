@@ -113,6 +113,14 @@ class Session:
         # The driver may ask this placement to end at a checkpoint (spot-first moving to spot, an elastic run
         # growing); a reclaim notice ends it at a just-in-time checkpoint.
         self._placement = placement_watch(placement, self.store.run_uri, self.rank)
+        if self._placement.can_end:
+            # Where every rank runs: the acknowledgement of an ended placement names them, so the driver can
+            # start the next placement while this one's workers are still shutting down.
+            nodes = [self.node_id]
+            if self._checkpoint_group is not None:
+                nodes = [None] * self.world_size
+                dist.all_gather_object(nodes, self.node_id, group=self._checkpoint_group)
+            self._placement.rank_nodes = nodes
         self._jit = self._just_in_time(spec)
         self._ledger = SampleLedger(self.store.fs, self.store.root, self.rank, self.world_size, 0, attempt="") \
             if audit_enabled() else NoLedger()

@@ -13,7 +13,9 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -235,7 +237,12 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
       against failure.max_preemptions;
     - spot-first runs on on-demand and spot capacity is back (SwapWatcher): it moves to spot;
     - an elastic run is below max and capacity for more workers has held steady (GrowWatcher): it grows.
-    Each decision is logged with its reason."""
+    Each decision is logged with its reason.
+
+    The next placement starts as soon as the sessions acknowledge the end (after their checkpoint committed),
+    not when fit() returns: Ray's controller of the ending placement takes a second or two to notice and shut
+    its workers down, and a new controller takes seconds to start; they overlap. The ending placement's slots
+    count as free when sizing the next one."""
     from elastic import placement as policy
 
     workers = spec.workers
@@ -245,13 +252,15 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
     spot_first = workers.market == "spot-first"
     market, why = (None, "") if spot_first else (workers.market, f"workers.market is {workers.market}")
     preemptions = failures = 0
+    released: dict[str, int] | None = None  # slots the previous placement's workers are freeing, per node
+    ending: _Fitting | None = None  # the previous placement's fit(), still shutting down
     try:
         while True:
             if market is None:  # spot-first: at start and after a reclaim, spot if it comes within the wait
                 policy.hint_spot_demand(workers)
                 decision = policy.wait_for_spot(workers, poll_seconds=poll)
                 market, why = decision.action, decision.reason
-            sized = policy.wait_for_workers(workers, market,
+            sized = policy.wait_for_workers(workers, market, released=released,
                                             on_wait=lambda d: control.set_status("waiting", d.reason))
             swappable = spot_first and market == policy.ON_DEMAND and workers.swap_to_spot
             current = Placement(id=policy.new_placement_id(), market=market, swappable=swappable, reason=why,
@@ -272,19 +281,26 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
             elif current.resizable:
                 watcher = policy.GrowWatcher(workers, control, current.id, market, poll_seconds=poll).start()
             try:
-                result = build_trainer(spec, run_name, current, sharing).fit()
-            except Exception as err:
-                if not _retry_controller_error(err, spec, record, failures := failures + 1):
-                    raise
-                why = f"restarted after a controller error ({type(err).__name__})"
-                continue
+                fitting = _Fitting(build_trainer(spec, run_name, current, sharing))
+                if ending is not None:
+                    ending.finish_quietly()
+                    ending = None
+                ended = fitting.wait_for_end(lambda: control.ended(current.id))
             finally:
                 if watcher is not None:
                     watcher.stop()
-            ended = control.ended(current.id)
+            if ended is None:
+                if fitting.error is not None:
+                    if not _retry_controller_error(fitting.error, spec, record, failures := failures + 1):
+                        raise fitting.error
+                    why = f"restarted after a controller error ({type(fitting.error).__name__})"
+                    released = None
+                    continue
+                ended = control.ended(current.id)  # acknowledged just as fit() returned
             control.clear()
             if ended is None:
-                return result  # the run finished (or an end was asked for too late to matter)
+                return fitting.result  # the run finished (or an end was asked for too late to matter)
+            ending, released = fitting, dict(Counter(ended.get("nodes") or []))
             kind = ended.get("kind", "swap")
             record.update(ended_at_step=ended["step"], ended_by=kind)
             if kind == "preemption":
@@ -308,8 +324,45 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
                       flush=True)
                 why = f"grown at step {ended['step']}"
     finally:
+        if ending is not None:
+            ending.finish_quietly()
         if spot_first:
             policy.hint_spot_demand(workers, on=False)
+
+
+class _Fitting:
+    """One placement's fit(), run in a thread of its own so the driver can watch for the placement's end."""
+
+    ACK_POLL_SECONDS = 0.25
+
+    def __init__(self, trainer):
+        self.result = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(trainer,), name="elastic-fit", daemon=True)
+        self._thread.start()
+
+    def _run(self, trainer) -> None:
+        try:
+            self.result = trainer.fit()
+        except BaseException as err:  # handed to the driver loop, which retries or re-raises it
+            self.error = err
+
+    def wait_for_end(self, acknowledged: Callable[[], dict | None]) -> dict | None:
+        """Until fit() returns (None) or the sessions acknowledge the placement's end (the acknowledgement)."""
+        while self._thread.is_alive():
+            ended = acknowledged()
+            if ended is not None:
+                return ended
+            self._thread.join(self.ACK_POLL_SECONDS)
+        return None
+
+    def finish_quietly(self) -> None:
+        """Wait for an ended placement's fit() to return. Its checkpoint is committed and the next placement
+        resumes from it, so a failure in its shutdown is only logged."""
+        self._thread.join()
+        if self.error is not None:
+            print(f"[elastic] the ended placement's shutdown failed ({type(self.error).__name__}: "
+                  f"{str(self.error).strip()[:200]}); the run goes on from its checkpoint", flush=True)
 
 
 def _retry_controller_error(err: Exception, spec: JobSpec, record: dict, failures: int) -> bool:

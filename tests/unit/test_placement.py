@@ -34,6 +34,25 @@ def test_slots_count_only_free_worker_nodes_of_the_market():
     assert worker_slots(nodes, workers(), "on-demand") == 4
 
 
+def test_slots_an_ending_placement_releases_count_once():
+    """The next placement is sized while the ending one's workers still hold their slots: those count as
+    free, capped at the node's total so a slot already released is not counted twice; draining nodes never."""
+    busy = NodeView(node_id="a", labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 0.0},
+                    total={"CPU": 1.0})
+    freed = NodeView(node_id="b", labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 1.0},
+                     total={"CPU": 1.0})
+    leaving = NodeView(node_id="c", labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 0.0},
+                       total={"CPU": 1.0}, draining=True)
+    spare = NodeView(node_id="d", labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 1.0},
+                     total={"CPU": 1.0})
+    nodes = [busy, freed, leaving, spare]
+    assert worker_slots(nodes, workers(), "spot") == 2  # b and d
+    released = {"a": 1, "b": 1, "c": 1}
+    assert worker_slots(nodes, workers(), "spot", released) == 3  # + a; b not twice; c is leaving
+    sized = decide_workers(workers(min=1, max=4, market="spot"), nodes, "spot", released)
+    assert (sized.action, sized.spot_slots) == ("start", 3)
+
+
 def test_slots_are_limited_by_the_scarcest_resource():
     nodes = [node("spot", cpus=8.0, gpus=1.0), node("spot", cpus=1.0, gpus=4.0)]
     assert worker_slots(nodes, workers(cpus=1, gpus=1), "spot") == 2  # 1 GPU-bound + 1 CPU-bound
