@@ -148,8 +148,10 @@ class JustInTime:
 
     def __init__(self, rank: int, group, margin_seconds: float, log: Callable[[str], None],
                  in_flight: Callable[[], bool] = lambda: False,
-                 read_notice: Callable[[], Notice | None] = read_ray_notice, clock: Callable[[], float] = time.time):
+                 read_notice: Callable[[], Notice | None] = read_ray_notice, clock: Callable[[], float] = time.time,
+                 on_notice: Callable[[Notice, float | None], None] = lambda notice, eta: None):
         self.rank = rank
+        self._on_notice = on_notice  # rank 0, once: the notice and when the checkpoint should commit
         self.planner = JitPlanner(margin_seconds, clock)
         self._channel = NoticeChannel(rank, group)
         self._log = log
@@ -168,6 +170,8 @@ class JustInTime:
                 if self.notice is None:
                     self._log(f"preemption notice for node(s) {', '.join(n[:12] for n in notice.node_ids)} at step "
                               f"{step}: training on, just-in-time checkpoint planned ({self.planner.describe(notice)})")
+                    eta = notice.deadline - self.planner.margin if notice.deadline is not None else None
+                    self._on_notice(notice, eta)
                 self.notice = notice
                 in_flight = self.planner.save_seconds if self._in_flight() else 0.0
                 if self.planner.save_now(notice, in_flight):

@@ -36,6 +36,8 @@ REQUEST_FILE = "elastic-placement-request.json"
 ENDED_FILE = "elastic-placement-ended.json"
 RUNNING_FILE = "elastic-placement-running.json"
 STATUS_FILE = "elastic-driver-status.json"  # what the driver is doing now, for `elastic status RUN`
+ENDING_FILE = "elastic-placement-ending.json"  # a reclaim notice: the placement will end at a JIT checkpoint
+CANCEL_FILE = "elastic-placement-cancelled.json"  # a placement started ahead that must not run after all
 POLL_SECONDS_VARIABLE = "ELASTIC_PLACEMENT_POLL_SECONDS"
 DEFAULT_POLL_SECONDS = 5.0
 
@@ -182,6 +184,24 @@ class PlacementControl:
     def end_requested(self, placement_id: str) -> bool:
         return self.end_request(placement_id) is not None
 
+    def will_end(self, placement_id: str, eta: float, nodes: list[str]) -> None:
+        """A reclaim notice reached the placement: it will end at a just-in-time checkpoint committed around
+        `eta` (unix seconds); its ranks run on `nodes`."""
+        self._write(ENDING_FILE, {"placement": placement_id, "eta": eta, "nodes": list(nodes), "time": time.time()})
+
+    def ending_soon(self, placement_id: str) -> dict | None:
+        ending = self._read(ENDING_FILE)
+        return ending if ending is not None and ending.get("placement") == placement_id else None
+
+    def cancel(self, placement_id: str) -> None:
+        """The placement started ahead of its predecessor's end must exit without training (the predecessor
+        went on instead: its just-in-time checkpoint failed, or the run finished first)."""
+        self._write(CANCEL_FILE, {"placement": placement_id, "time": time.time()})
+
+    def cancelled(self, placement_id: str) -> bool:
+        cancel = self._read(CANCEL_FILE)
+        return cancel is not None and cancel.get("placement") == placement_id
+
     def acknowledge(self, placement_id: str, step: int, kind: str, nodes: list[str] | None = None) -> None:
         """The placement ended at the checkpoint of `step`; kind: swap | grow | preemption. `nodes`: the node
         of each of its ranks, whose slots are about to be free for the next placement."""
@@ -207,8 +227,10 @@ class PlacementControl:
     def status(self) -> dict | None:
         return self._read(STATUS_FILE)
 
-    def clear(self) -> None:
-        for name in (REQUEST_FILE, ENDED_FILE, RUNNING_FILE):
+    def clear(self, keep_ended: bool = False) -> None:
+        """Forget the ended placement's objects. `keep_ended`: a placement started ahead is waiting to read
+        that acknowledgement (it names the old placement, so it can never be mistaken for the new one's)."""
+        for name in (REQUEST_FILE, RUNNING_FILE, ENDING_FILE, CANCEL_FILE) + (() if keep_ended else (ENDED_FILE,)):
             self._remove(name)
 
     def _path(self, name: str) -> str:
@@ -261,6 +283,12 @@ class NoPlacementWatch:
     def running(self, world_size: int) -> None:
         pass
 
+    def wait_for_predecessor(self) -> bool:
+        return True
+
+    def will_end(self, eta: float) -> None:
+        pass
+
 
 class PlacementWatch:
     """Session side of a placement the driver started. Rank 0 reads the request object, every rank gets the
@@ -269,10 +297,36 @@ class PlacementWatch:
 
     can_end = True
 
-    def __init__(self, control: PlacementControl, placement_id: str, rank: int, endable: bool):
+    def __init__(self, control: PlacementControl, placement_id: str, rank: int, endable: bool,
+                 follows: str | None = None, poll_seconds: float = 0.25):
         self.control, self.placement_id, self.rank, self.endable = control, placement_id, rank, endable
+        self.follows, self.poll_seconds = follows, poll_seconds
         self._kind = "ended"
         self.rank_nodes: list[str] = []  # the node of every rank (the session gathers them at start)
+
+    def wait_for_predecessor(self) -> bool:
+        """A placement the driver started ahead (`follows`: the placement ending at a just-in-time checkpoint)
+        must not read a checkpoint before its predecessor has committed its last one and ended: rank 0 waits
+        for that acknowledgement (True) or the driver's cancel (False); every rank gets the same answer."""
+        import torch.distributed as dist
+
+        if not self.follows:
+            return True
+        answer = [True]
+        if self.rank == 0:
+            while self.control.ended(self.follows) is None:
+                if self.control.cancelled(self.placement_id):
+                    answer = [False]
+                    break
+                time.sleep(self.poll_seconds)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(answer, src=0)
+        return bool(answer[0])
+
+    def will_end(self, eta: float) -> None:
+        """Rank 0, at a reclaim notice: tell the driver, which starts the next placement ahead."""
+        if self.rank == 0:
+            self.control.will_end(self.placement_id, eta, self.rank_nodes)
 
     def end_requested(self) -> bool:
         import torch.distributed as dist
@@ -304,7 +358,7 @@ def placement_watch(payload: dict | None, run_uri: str, rank: int):
     if not payload:
         return NoPlacementWatch()
     endable = bool(payload.get("swappable") or payload.get("resizable"))
-    return PlacementWatch(PlacementControl(run_uri), payload["id"], rank, endable)
+    return PlacementWatch(PlacementControl(run_uri), payload["id"], rank, endable, payload.get("follows"))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -121,6 +121,11 @@ class Session:
                 nodes = [None] * self.world_size
                 dist.all_gather_object(nodes, self.node_id, group=self._checkpoint_group)
             self._placement.rank_nodes = nodes
+        # Started ahead of a placement that is ending at a just-in-time checkpoint: nothing is read before
+        # that checkpoint has committed (or the driver calls this placement off).
+        if not self._placement.wait_for_predecessor():
+            self.log("placement called off: the placement it was to follow went on")
+            raise PlacementEnded(-1)
         self._jit = self._just_in_time(spec)
         self._ledger = SampleLedger(self.store.fs, self.store.root, self.rank, self.world_size, 0, attempt="") \
             if audit_enabled() else NoLedger()
@@ -400,7 +405,14 @@ class Session:
             return NoJustInTime()
         group = dist.new_group(backend="gloo") if dist.is_initialized() else None  # its own: never races saves
         return JustInTime(self.rank, group, spec.checkpoint.jit_margin_seconds, self.log,
-                          in_flight=lambda: self.checkpointer.in_flight)
+                          in_flight=lambda: self.checkpointer.in_flight, on_notice=self._announce_end)
+
+    def _announce_end(self, notice, eta: float | None) -> None:
+        """Rank 0, at a reclaim notice: tell the driver when this placement should end (in the background: a
+        write to the run folder must not hold up a step). Without a deadline it ends at once anyway."""
+        if eta is not None and self._placement.can_end:
+            threading.Thread(target=self._placement.will_end, args=(eta,), name="elastic-ending",
+                             daemon=True).start()
 
     def _end_just_in_time(self, metrics: dict | None) -> None:
         """A node of this run is being reclaimed and the deadline is near: save now (every rank), wait for the

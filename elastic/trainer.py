@@ -152,6 +152,7 @@ class Placement:
     workers: int | None = None  # started with (the driver's count of free slots, capped at max)
     resizable: bool = False  # elastic and below max: the driver may end it at a checkpoint to grow
     avoid_nodes: tuple[str, ...] = ()  # nodes draining when it started (being reclaimed)
+    follows: str | None = None  # started ahead: its sessions wait until this placement has ended
 
 
 @dataclass(frozen=True)
@@ -184,8 +185,9 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
     # sixth of its window before the just-in-time checkpoint is even planned. Ray propagates it to its actors.
     os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
     # And the controller polls its workers every 2 s: a placement that ends at a just-in-time checkpoint a few
-    # seconds before the deadline must be seen finished before the deadline passes.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "1")
+    # seconds before the deadline must be seen finished before the deadline passes, and every fraction of a
+    # second until it is seen is a second the next placement waits for the workers' slots.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     print(f"[elastic] run {run_name}: {workers.min}"
           + (f"..{workers.max_workers}" if workers.elastic else "")
           + f" workers on {workers.market} nodes, checkpoints in {run_uri}", flush=True)
@@ -254,41 +256,81 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
     preemptions = failures = 0
     released: dict[str, int] | None = None  # slots the previous placement's workers are freeing, per node
     ending: _Fitting | None = None  # the previous placement's fit(), still shutting down
+    ahead: _Started | None = None  # the next placement, started before the current one ended
+
+    def start(sized: policy.Decision, reason: str, follows: str | None = None) -> _Started:
+        swappable = spot_first and market == policy.ON_DEMAND and workers.swap_to_spot
+        placement = Placement(id=policy.new_placement_id(), market=market, swappable=swappable, reason=reason,
+                              workers=sized.spot_slots,
+                              resizable=workers.elastic and sized.spot_slots < workers.max_workers,
+                              avoid_nodes=policy.draining_nodes(), follows=follows)
+        if spot_first and not swappable:
+            policy.hint_spot_demand(workers, on=False)  # on spot now, or staying on on-demand
+        record = {"market": placement.market, "workers": placement.workers, "reason": placement.reason,
+                  "started": time.time()}
+        placements.append(record)
+        print(f"[elastic] placement {placement.id}: {placement.workers} worker(s) on {placement.market} nodes"
+              + (f", started ahead of the end of placement {follows}" if follows else ""), flush=True)
+        watcher = None
+        if placement.swappable:
+            watcher = policy.SwapWatcher(workers, control, placement.id, poll_seconds=poll).start()
+        elif placement.resizable:
+            watcher = policy.GrowWatcher(workers, control, placement.id, market, poll_seconds=poll).start()
+        return _Started(placement, record, watcher, _Fitting(build_trainer(spec, run_name, placement, sharing)))
+
+    def start_ahead(current: Placement) -> _Started | None:
+        """At a reclaim notice, once its just-in-time checkpoint is due within START_AHEAD_SECONDS: start the
+        next placement now, sized with the ending placement's slots, so the new controller is up by the time
+        the old workers are gone. Its sessions wait for the old placement's acknowledgement."""
+        notice = control.ending_soon(current.id)
+        if notice is None or notice["eta"] - time.time() > START_AHEAD_SECONDS:
+            return None
+        sized = policy.decide_workers(workers, policy.observe_nodes(), market,
+                                      dict(Counter(notice.get("nodes") or [])))
+        if sized.action != "start":
+            return None  # too few slots even with the ending ones: sized after the end, as usual
+        return start(sized, "resumed after a reclaim", follows=current.id)
+
     try:
         while True:
-            if market is None:  # spot-first: at start and after a reclaim, spot if it comes within the wait
-                policy.hint_spot_demand(workers)
-                decision = policy.wait_for_spot(workers, poll_seconds=poll)
-                market, why = decision.action, decision.reason
-            sized = policy.wait_for_workers(workers, market, released=released,
-                                            on_wait=lambda d: control.set_status("waiting", d.reason))
-            swappable = spot_first and market == policy.ON_DEMAND and workers.swap_to_spot
-            current = Placement(id=policy.new_placement_id(), market=market, swappable=swappable, reason=why,
-                                workers=sized.spot_slots,
-                                resizable=workers.elastic and sized.spot_slots < workers.max_workers,
-                                avoid_nodes=policy.draining_nodes())
-            if spot_first and not swappable:
-                policy.hint_spot_demand(workers, on=False)  # on spot now, or staying on on-demand
-            record = {"market": current.market, "workers": current.workers, "reason": current.reason,
-                      "started": time.time()}
-            placements.append(record)
-            print(f"[elastic] placement {current.id}: {current.workers} worker(s) on {current.market} nodes",
-                  flush=True)
+            if ahead is not None:
+                started, ahead = ahead, None
+            else:
+                if market is None:  # spot-first: at start and after a reclaim, spot if it comes within the wait
+                    policy.hint_spot_demand(workers)
+                    decision = policy.wait_for_spot(workers, poll_seconds=poll)
+                    market, why = decision.action, decision.reason
+                sized = policy.wait_for_workers(workers, market, released=released,
+                                                on_wait=lambda d: control.set_status("waiting", d.reason))
+                started = start(sized, why)
+            current, record, fitting = started.placement, started.record, started.fitting
             control.set_status("running", f"{current.workers} worker(s) on {current.market} nodes ({current.reason})")
-            watcher = None
-            if current.swappable:
-                watcher = policy.SwapWatcher(workers, control, current.id, poll_seconds=poll).start()
-            elif current.resizable:
-                watcher = policy.GrowWatcher(workers, control, current.id, market, poll_seconds=poll).start()
+            if ending is not None:
+                ending.finish_quietly()
+                ending = None
+
+            looked = 0.0
+
+            def watch() -> None:
+                nonlocal ahead, looked
+                if ahead is None and not spot_first and time.monotonic() - looked >= 1.0:
+                    looked = time.monotonic()
+                    ahead = start_ahead(current)
+
             try:
-                fitting = _Fitting(build_trainer(spec, run_name, current, sharing))
-                if ending is not None:
-                    ending.finish_quietly()
-                    ending = None
-                ended = fitting.wait_for_end(lambda: control.ended(current.id))
+                ended = fitting.wait_for_end(lambda: control.ended(current.id), watch)
             finally:
-                if watcher is not None:
-                    watcher.stop()
+                started.stop_watcher()
+            if ended is None:
+                ended = control.ended(current.id)  # acknowledged just as fit() returned
+            if ended is None and ahead is not None:
+                # The placement went on (its just-in-time save failed) or the run finished first: the one
+                # started ahead must not train.
+                control.cancel(ahead.placement.id)
+                ahead.stop_watcher()
+                ahead.fitting.finish_quietly()
+                placements.remove(ahead.record)
+                ahead = None
             if ended is None:
                 if fitting.error is not None:
                     if not _retry_controller_error(fitting.error, spec, record, failures := failures + 1):
@@ -296,10 +338,9 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
                     why = f"restarted after a controller error ({type(fitting.error).__name__})"
                     released = None
                     continue
-                ended = control.ended(current.id)  # acknowledged just as fit() returned
-            control.clear()
-            if ended is None:
+                control.clear()
                 return fitting.result  # the run finished (or an end was asked for too late to matter)
+            control.clear(keep_ended=ahead is not None)
             ending, released = fitting, dict(Counter(ended.get("nodes") or []))
             kind = ended.get("kind", "swap")
             record.update(ended_at_step=ended["step"], ended_by=kind)
@@ -313,6 +354,8 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
                     raise RuntimeError(f"preempted {preemptions} times, over failure.max_preemptions "
                                        f"({spec.failure.max_preemptions}); raise it to keep going")
                 why = f"resumed after a reclaim at step {ended['step']}"
+                if ahead is not None:
+                    ahead.record["reason"] = why
                 if spot_first:
                     market = None
             elif kind == "swap":
@@ -324,10 +367,34 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
                       flush=True)
                 why = f"grown at step {ended['step']}"
     finally:
+        if ahead is not None:  # leaving on an error: the placement started ahead must not train
+            control.cancel(ahead.placement.id)
+            ahead.stop_watcher()
+            ahead.fitting.finish_quietly()
         if ending is not None:
             ending.finish_quietly()
         if spot_first:
             policy.hint_spot_demand(workers, on=False)
+
+
+# The next placement is started this long before the ending one's just-in-time checkpoint is due: about what a
+# new Ray Train controller takes to come up, so it asks for workers just as the old ones are released.
+START_AHEAD_SECONDS = 6.0
+
+
+@dataclass
+class _Started:
+    """A placement the driver started: its fit() in a thread, the record in the run summary, its watcher."""
+
+    placement: Placement
+    record: dict
+    watcher: Any
+    fitting: "_Fitting"
+
+    def stop_watcher(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
 
 
 class _Fitting:
@@ -347,12 +414,19 @@ class _Fitting:
         except BaseException as err:  # handed to the driver loop, which retries or re-raises it
             self.error = err
 
-    def wait_for_end(self, acknowledged: Callable[[], dict | None]) -> dict | None:
-        """Until fit() returns (None) or the sessions acknowledge the placement's end (the acknowledgement)."""
+    def wait_for_end(self, acknowledged: Callable[[], dict | None],
+                     on_poll: Callable[[], None] = lambda: None) -> dict | None:
+        """Until fit() returns (None) or the sessions acknowledge the placement's end (the acknowledgement).
+        `on_poll` runs between polls (the driver starts the next placement ahead from there)."""
         while self._thread.is_alive():
             ended = acknowledged()
             if ended is not None:
                 return ended
+            try:
+                on_poll()
+            except Exception as err:  # loop boundary: a failed look-ahead only loses the head start
+                print(f"[elastic] could not start the next placement ahead ({type(err).__name__}: {err})",
+                      flush=True)
             self._thread.join(self.ACK_POLL_SECONDS)
         return None
 
@@ -421,6 +495,11 @@ def _worker_main(payload: dict) -> None:
 
     from elastic.placement import PlacementEnded
 
+    # The first DistributedDataParallel(...) imports torch._dynamo (sympy included): a second or two of a
+    # restart's critical path. Start it now; the session's setup (S3 client, collectives, the wait for a
+    # predecessor placement) waits on the network meanwhile.
+    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="elastic-import",
+                     daemon=True).start()
     spec = JobSpec.model_validate(payload["spec"])
     function = resolve_entrypoint(spec.entrypoint)
     try:
