@@ -84,3 +84,19 @@ def test_an_unreadable_ray_context_turns_jit_off_once_with_a_line():
     assert not any(jit.due(step) for step in range(1, 5))
     assert len(lines) == 1 and "just-in-time checkpoints off" in lines[0]
     assert not NoJustInTime().due(3)
+
+
+def test_rank_0_announces_the_expected_commit_once_at_the_first_notice():
+    clock = Clock()
+    notice = Notice(deadline=clock.now + 30.0, node_ids=("n1",))
+    announced = []
+    jit = JustInTime(rank=0, group=None, margin_seconds=2.0, log=lambda line: None, read_notice=lambda: notice,
+                     clock=clock, on_notice=lambda n, eta: announced.append((n.node_ids, eta)))
+    for step in range(1, 6):
+        clock.now += 0.1
+        jit.due(step)
+    assert announced == [(("n1",), notice.deadline - 2.0)]
+    other = []
+    JustInTime(rank=1, group=None, margin_seconds=2.0, log=lambda line: None, read_notice=lambda: notice,
+               clock=clock, on_notice=lambda n, eta: other.append(eta)).due(1)
+    assert other == []  # only rank 0 plans and announces

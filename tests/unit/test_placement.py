@@ -199,6 +199,38 @@ def test_session_watch_polls_only_endable_placements_and_any_placement_can_end_i
     assert PlacementControl(str(tmp_path)).ended("p")["step"] == 12
 
 
+def test_a_placement_started_ahead_waits_for_its_predecessor_or_a_cancel(tmp_path):
+    """The next placement is started before the ending one's just-in-time checkpoint: its sessions read no
+    checkpoint until the predecessor acknowledged its end, and exit if the driver calls it off."""
+    import threading
+
+    control = PlacementControl(str(tmp_path))
+    ending = placement_watch({"id": "old", "market": "spot"}, str(tmp_path), 0)
+    ending.rank_nodes = ["a", "b"]
+    ending.will_end(eta=1234.5)
+    notice = control.ending_soon("old")
+    assert (notice["eta"], notice["nodes"]) == (1234.5, ["a", "b"]) and control.ending_soon("new") is None
+
+    follower = PlacementWatch(control, "new", 0, endable=False, follows="old", poll_seconds=0.01)
+    waited = {}
+    thread = threading.Thread(target=lambda: waited.update(go=follower.wait_for_predecessor()))
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive()  # no acknowledgement yet: still waiting
+    ending.acknowledge(40, reason="preemption")
+    thread.join(5)
+    assert waited == {"go": True}
+    assert placement_watch({"id": "x"}, str(tmp_path), 0).wait_for_predecessor()  # not started ahead
+
+    control.clear(keep_ended=True)  # the driver forgets the old placement but the follower may still look
+    assert control.ended("old")["step"] == 40 and control.ending_soon("old") is None
+    control.clear()
+    called_off = PlacementWatch(control, "new2", 0, endable=False, follows="old", poll_seconds=0.01)
+    control.cancel("new2")
+    assert control.cancelled("new2") and not control.cancelled("new")
+    assert called_off.wait_for_predecessor() is False
+
+
 def test_swap_watcher_requests_once_and_withdraws_if_spot_goes_away(tmp_path, capsys):
     control = PlacementControl(str(tmp_path))
     cluster = {"nodes": [node("on-demand"), node("on-demand")]}
