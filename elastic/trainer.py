@@ -279,11 +279,14 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
         return _Started(placement, record, watcher, _Fitting(build_trainer(spec, run_name, placement, sharing)))
 
     def start_ahead(current: Placement) -> _Started | None:
-        """At a reclaim notice, once its just-in-time checkpoint is due within START_AHEAD_SECONDS: start the
-        next placement now, sized with the ending placement's slots, so the new controller is up by the time
-        the old workers are gone. Its sessions wait for the old placement's acknowledgement."""
+        """At a reclaim notice, once its just-in-time checkpoint is due within START_AHEAD_SECONDS and the notice
+        has settled (NOTICE_SETTLE_SECONDS): start the next placement now, sized with the ending placement's
+        slots and avoiding the nodes draining by then, so the new controller is up by the time the old workers
+        are gone. Its sessions wait for the old placement's acknowledgement."""
         notice = control.ending_soon(current.id)
-        if notice is None or notice["eta"] - time.time() > START_AHEAD_SECONDS:
+        now = time.time()
+        if notice is None or notice["eta"] - now > START_AHEAD_SECONDS \
+                or now - notice["time"] < NOTICE_SETTLE_SECONDS:
             return None
         sized = policy.decide_workers(workers, policy.observe_nodes(), market,
                                       dict(Counter(notice.get("nodes") or [])))
@@ -380,6 +383,9 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
 # The next placement is started this long before the ending one's just-in-time checkpoint is due: about what a
 # new Ray Train controller takes to come up, so it asks for workers just as the old ones are released.
 START_AHEAD_SECONDS = 6.0
+# ...but not before the reclaim notice is this old: correlated reclaims reach their nodes' watchers a poll apart
+# (AWS asks for one poll every 5 s), and a placement sized before the second drain is known could land on it.
+NOTICE_SETTLE_SECONDS = 5.0
 
 
 @dataclass
