@@ -249,6 +249,8 @@ class PlacementControl:
                 return json.load(handle)
         except FileNotFoundError:
             return None
+        except ValueError:  # caught mid-write (a local folder; an object store PUT is atomic): read it next poll
+            return None
 
     def _remove(self, name: str) -> None:
         self.fs.invalidate_cache(self._path(name))
