@@ -329,9 +329,7 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
             if ended is None and ahead is not None:
                 # The placement went on (its just-in-time save failed) or the run finished first: the one
                 # started ahead must not train.
-                control.cancel(ahead.placement.id)
-                ahead.stop_watcher()
-                ahead.fitting.finish_quietly()
+                ahead.call_off(control)
                 placements.remove(ahead.record)
                 ahead = None
             if ended is None:
@@ -371,9 +369,7 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
                 why = f"grown at step {ended['step']}"
     finally:
         if ahead is not None:  # leaving on an error: the placement started ahead must not train
-            control.cancel(ahead.placement.id)
-            ahead.stop_watcher()
-            ahead.fitting.finish_quietly()
+            ahead.call_off(control)
         if ending is not None:
             ending.finish_quietly()
         if spot_first:
@@ -401,6 +397,12 @@ class _Started:
         if self.watcher is not None:
             self.watcher.stop()
             self.watcher = None
+
+    def call_off(self, control) -> None:
+        """A placement started ahead whose predecessor went on: its sessions exit without training."""
+        control.cancel(self.placement.id)
+        self.stop_watcher()
+        self.fitting.finish_quietly()
 
 
 class _Fitting:
