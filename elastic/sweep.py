@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import sys
 import time
@@ -272,15 +273,16 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
                                    param_space=param_space(sweep), storage_filesystem=filesystem)
     else:
         root_fs, root_path = pyarrow_filesystem(sweep.storage or job.checkpoint.uri)
+        trial_scheduler = scheduler(sweep)
         tuner = tune.Tuner(
             trainable,
             param_space=param_space(sweep),
             tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples,
-                                        scheduler=scheduler(sweep), max_concurrent_trials=concurrent,
+                                        scheduler=trial_scheduler, max_concurrent_trials=concurrent,
                                         reuse_actors=False),
             run_config=tune.RunConfig(name=sweep.name, storage_path=root_path, storage_filesystem=root_fs,
                                       failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
-                                      callbacks=[Progress()], verbose=0),
+                                      callbacks=[Progress(), SchedulerState(trial_scheduler)], verbose=0),
         )
     results = tuner.fit()
     return report(sweep, job, results, saved, time.monotonic() - started)
@@ -345,6 +347,29 @@ class Progress(Callback):
 
     def on_trial_error(self, iteration, trials, trial, **info):
         _line(f"trial {trial.trial_id} FAILED: {str(getattr(trial, 'error_msg', '') or '')[:160]}")
+
+
+class SchedulerState(Callback):
+    """Carries ASHA's rungs across a restore. Tune checkpoints the searcher and callbacks with the experiment but
+    not the scheduler: Tuner.restore unpickles it from tuner.pkl as it was before the first trial, so a resumed
+    sweep would forget every rung result and let a bad trial that reaches a rung first run to the end. Riding
+    along as a callback, the rungs are saved with each experiment checkpoint and put back on restore (the
+    callback and the scheduler come out of the same tuner.pkl, so this still points at Tune's scheduler)."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def get_state(self) -> dict | None:
+        from ray.tune.schedulers import AsyncHyperBandScheduler
+
+        # PBT keys its state by Trial objects, which a restore recreates; only ASHA's plain state carries over.
+        if not isinstance(self.scheduler, AsyncHyperBandScheduler):
+            return None
+        return {"asha": pickle.dumps(self.scheduler.__dict__)}  # a snapshot: later results don't leak into it
+
+    def set_state(self, state: dict) -> None:
+        if state.get("asha") is not None:
+            self.scheduler.__dict__.update(pickle.loads(state["asha"]))
 
 
 def _line(text: str) -> None:
