@@ -123,16 +123,19 @@ class CheckpointStore:
         return self._read_marker(step)
 
     # -- writing
-    def commit(self, step: int, world_size: int, extra: dict | None = None) -> CheckpointInfo:
-        """Write the marker, listing every file with its size. Call once all shards and .metadata exist."""
+    def commit(self, step: int, world_size: int, extra: dict | None = None,
+               files: dict[str, int] | None = None) -> CheckpointInfo:
+        """Write the marker, listing every file with its size. Call once all shards and .metadata exist.
+        `files` (name -> size, from the writer that just wrote them) saves listing the folder."""
         path = self.path(step)
-        files = self._sizes(path)
+        files = dict(files) if files is not None else self._sizes(path)
         if DCP_METADATA not in files:
             raise RuntimeError(f"{self.uri(step)} has no {DCP_METADATA}; the save did not finish")
         manifest = {"step": step, "time": time.time(), "world_size": world_size, "files": files, **(extra or {})}
-        with self.fs.open(f"{path}/{MARKER}", "w") as handle:
-            json.dump(manifest, handle, indent=1)
-        return self.info(step)
+        self.fs.pipe_file(f"{path}/{MARKER}", json.dumps(manifest, indent=1).encode())
+        return CheckpointInfo(step, path, self.uri(step), committed=True, time=manifest["time"],
+                              world_size=world_size, size_bytes=sum(files.values()),
+                              shards=sum(1 for f in files if f.endswith(".distcp")), files=files)
 
     def retain(self, keep: int, keep_every: int | None = None) -> list[int]:
         """Delete all but the newest `keep` committed checkpoints (and every `keep_every`-th step), and any
@@ -401,7 +404,7 @@ class ShardedCheckpointer:
             # .metadata, so every shard is durable here: commit.
             if self.rank == 0:
                 self.fault_hook(step, "commit")
-                self.store.commit(step, self.world_size)
+                self.store.commit(step, self.world_size, files=getattr(writer, "file_sizes", None))
             return True, None
         # DCP raises CheckpointException (a BaseException) alike on every rank; storage errors vary by backend.
         except (Exception, CheckpointException) as err:
@@ -432,7 +435,7 @@ class ShardedCheckpointer:
         from elastic.dcp_io import storage_reader
 
         reader = storage_reader(self.store.uri(step), self.store.location.is_object_store,
-                                **self.store.writer_options())
+                                process_group=self.group, **self.store.writer_options())
         dcp.load(state, storage_reader=reader, process_group=self.group)
         return state
 

@@ -211,6 +211,56 @@ def _scenario_load(rank, world, model, optimizer, store, checkpointer, out, args
     report["steps_after_load"] = 1
 
 
+def _counting_reads(fail_on: int | None = None):
+    """Patch the loader's whole-object read in this process: records the checkpoint files it fetches, and with
+    `fail_on` raises on this rank's reads (a storage error during a load)."""
+    from elastic.dcp_io import ObjectStoreFileSystem
+
+    fetched, real = [], ObjectStoreFileSystem.fetch
+
+    def fetch(self, path):
+        name = str(path).rsplit("/", 1)[-1]
+        if name.endswith(".distcp"):
+            fetched.append(name)
+            if fail_on is not None:
+                raise OSError(f"simulated S3 error reading {name}")
+        return real(self, path)
+
+    ObjectStoreFileSystem.fetch = fetch
+    return fetched, lambda: setattr(ObjectStoreFileSystem, "fetch", real)
+
+
+def _scenario_load_counted(rank, world, model, optimizer, store, checkpointer, out, args, report):
+    """Load the replicated W=2 checkpoint at W=2: which shard files did this rank fetch from storage?"""
+    import torch
+
+    expected = torch.load(args["snapshot"], weights_only=False)
+    template = _state(model, optimizer)
+    fetched, restore = _counting_reads()
+    try:
+        checkpointer.load(args["step"], template)
+    finally:
+        restore()
+    report["fetched"] = fetched
+    report["after_load"] = _differences(template, expected)
+
+
+def _scenario_load_owner_fails(rank, world, model, optimizer, store, checkpointer, out, args, report):
+    """Rank 1's storage reads fail mid-load: every rank's load must fail (none may wait forever for rank 1's
+    broadcast, none may load a half-received state)."""
+    fetched, restore = _counting_reads(fail_on=1 if rank == 1 else None)
+    started = time.monotonic()
+    try:
+        checkpointer.load(args["step"], _state(model, optimizer))
+        report["raised"] = None
+    except BaseException as err:  # noqa: B036 - DCP's CheckpointException is a BaseException
+        report["raised"] = f"{type(err).__name__}: {str(err)[:300]}"
+        report["names_the_cause"] = "simulated S3 error" in str(err)
+    finally:
+        restore()
+    report["seconds"] = time.monotonic() - started
+
+
 def _wait_and_report(checkpointer, report) -> None:
     """wait() is documented to return a SaveResult, failed or not; record anything it raises instead."""
     try:
@@ -304,6 +354,8 @@ def _scenario_commit_fails_once(rank, world, model, optimizer, store, checkpoint
 SCENARIOS = {
     "save_async": _scenario_save_async,
     "load": _scenario_load,
+    "load_counted": _scenario_load_counted,
+    "load_owner_fails": _scenario_load_owner_fails,
     "fail": _scenario_fail,
     "kill": _scenario_kill,
     "kill_before_marker": _scenario_kill_before_marker,
@@ -349,12 +401,14 @@ NO_BUCKET = "s3://no-such-bucket/run"
 
 @pytest.fixture(scope="module")
 def w2_run(s3_env, tmp_path_factory):
-    """W=2: (a) the async save, (c) a save to a missing bucket, a marker write failing once on rank 0, and
+    """W=2: (a) the async save, then loads of it (files fetched per rank; a rank whose reads fail), (c) a save to a missing bucket, a marker write failing once on rank 0, and
     last, a hard exit with a large save in flight (a committed checkpoint saved first)."""
     out = tmp_path_factory.mktemp("w2")
     snapshot = out / "snapshot.pt"
     reports = spawn(2, s3_env, out, [
         ("save_async", {"run_uri": RUN_X, "step": SAVED_STEP, "snapshot": str(snapshot)}),
+        ("load_counted", {"run_uri": RUN_X, "step": SAVED_STEP, "seed": 1234, "snapshot": str(snapshot)}),
+        ("load_owner_fails", {"run_uri": RUN_X, "step": SAVED_STEP, "group_timeout": 60}),
         ("fail", {"run_uri": NO_BUCKET, "step": 5, "retries": 1, "backoff": 0.1}),
         ("commit_fails_once", {"run_uri": RUN_FLAKY, "step": 7, "retries": 1, "group_timeout": 4}),
         ("kill", {"run_uri": RUN_KILL, "good_step": 10, "torn_step": 20, "ballast_mb": 64}),
@@ -418,6 +472,23 @@ def test_w2_checkpoint_reshards_into_other_world_sizes(request, world):
         assert report["differs_before_load"], "the fresh model already equals the checkpoint: the test proves nothing"
         assert report["after_load"] == [], f"rank {report['rank']} of {world}: {report['after_load'][:10]}"
         assert report["steps_after_load"] == 1
+
+
+def test_a_replicated_checkpoint_is_read_from_storage_once_across_ranks(w2_run, s3_env):
+    reports = w2_run["reports"]["load_counted"]
+    shards = sorted(n for n in keys_under(s3_env, f"run-x/step-{SAVED_STEP:09d}/") if n.endswith(".distcp"))
+    fetched = [name for report in reports for name in report["fetched"]]
+    assert sorted(fetched) == shards, reports  # every shard once, by one rank, and the other got it broadcast
+    assert all(report["fetched"] for report in reports), "one rank read everything: nothing was shared"
+    for report in reports:
+        assert report["after_load"] == [], f"rank {report['rank']}: {report['after_load'][:10]}"
+
+
+def test_a_failed_read_on_one_rank_fails_the_load_on_every_rank(w2_run):
+    for report in w2_run["reports"]["load_owner_fails"]:
+        assert report["raised"], f"rank {report['rank']} loaded although rank 1 could not read its files"
+        assert report["seconds"] < 30, report  # failed promptly: no rank waited for a broadcast that never came
+    assert w2_run["reports"]["load_owner_fails"][1]["names_the_cause"]
 
 
 # ---------------------------------------------------------------------------------------------------------
