@@ -33,17 +33,52 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 DCP_METADATA = ".metadata"
 
 
-class _UploadOnClose(io.BytesIO):
-    """A shard file DCP writes into; when DCP closes it, its bytes are handed to `send` (one PUT)."""
+# Files up to this size go up in one PUT straight from the buffer DCP wrote them into; larger ones through
+# s3fs's concurrent multipart upload (its threshold: two 50 MB parts).
+SINGLE_PUT_BYTES = 100 * 2**20
 
-    def __init__(self, send: Callable[[bytes], None]):
+
+class _UploadOnClose(io.BytesIO):
+    """A shard file DCP writes into. When DCP closes it, the buffer itself is handed to `send`, which owns it
+    from then on: the upload reads the bytes in place, where `getvalue()` would hand over bytes that the
+    HTTP client copies once more (aiohttp unshares a BytesIO built on them)."""
+
+    def __init__(self, send: Callable[[io.BytesIO], None]):
         super().__init__()
-        self._send = send
+        self._send, self._handed = send, False
 
     def close(self) -> None:
-        if not self.closed:
-            self._send(self.getvalue())
-        super().close()
+        if not self._handed:
+            self._handed = True
+            self.seek(0)
+            self._send(self)
+
+
+_crc_lock = threading.Lock()
+_crc_writers = 0
+
+
+@contextmanager
+def _without_zip_crc() -> Generator[None, None, None]:
+    """torch.save's zip CRC32 per record costs a pass over every byte, and torch.load never checks it. The
+    transfer is checked anyway: botocore sends a CRC32 of each PUT, which S3 verifies. The setting is global,
+    so it is off while any save of this process writes, and a concurrent torch.save elsewhere in the
+    process writes zero CRCs too (harmless for torch.load)."""
+    from torch.utils.serialization import config
+
+    global _crc_writers
+    with _crc_lock:
+        if _crc_writers == 0:
+            _without_zip_crc.saved = config.save.compute_crc32
+            config.save.compute_crc32 = False
+        _crc_writers += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_writers -= 1
+            if _crc_writers == 0:
+                config.save.compute_crc32 = _without_zip_crc.saved
 
 
 class ObjectStoreFileSystem(FileSystem):
@@ -79,11 +114,25 @@ class ObjectStoreFileSystem(FileSystem):
         """One whole object, in one request (s3fs splits a large one into concurrent ranged reads)."""
         return self.fs.cat_file(path)
 
-    def _upload(self, path: str, data: bytes) -> None:
-        if self._upload_pool is None:
-            self.fs.pipe_file(path, data)
+    def put(self, path: str, stream: io.BytesIO) -> None:
+        """One object from a buffer: on S3 a PUT that reads the buffer in place, through s3fs's own request
+        path (its retries and extra arguments such as server-side encryption apply)."""
+        size = stream.seek(0, io.SEEK_END)
+        stream.seek(0)
+        if size < SINGLE_PUT_BYTES and _is_s3(self.fs):
+            from fsspec.asyn import sync
+
+            bucket, key, _ = self.fs.split_path(path)
+            sync(self.fs.loop, self.fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=stream)
+            self.fs.invalidate_cache(path)
         else:
-            self.uploads.append(self._upload_pool.submit(self.fs.pipe_file, path, data))
+            self.fs.pipe_file(path, stream.getvalue())
+
+    def _upload(self, path: str, stream: io.BytesIO) -> None:
+        if self._upload_pool is None:
+            self.put(path, stream)
+        else:
+            self.uploads.append(self._upload_pool.submit(self.put, path, stream))
 
     @contextmanager
     def uploading(self, threads: int) -> Generator[None, None, None]:
@@ -114,7 +163,7 @@ class ObjectStoreWriter(FsspecWriter):
         self.file_sizes: dict[str, int] | None = None
 
     def write_data(self, plan, planner):
-        with self.fs.uploading(self.thread_count):
+        with self.fs.uploading(self.thread_count), _without_zip_crc():
             return super().write_data(plan, planner)
 
     def prepare_local_plan(self, plan):
@@ -252,6 +301,14 @@ class ObjectStoreReader(FsspecReader):
             dist.broadcast(buffer, src=source, group=self.group)
             if shared_file.name in arrivals:
                 arrivals[shared_file.name].set_result(memoryview(buffer.numpy()))
+
+
+def _is_s3(fs) -> bool:
+    try:
+        from s3fs import S3FileSystem
+    except ImportError:
+        return False
+    return isinstance(fs, S3FileSystem)
 
 
 def storage_writer(uri: str, is_object_store: bool, thread_count: int, **storage_options: Any):
