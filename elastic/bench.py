@@ -5,8 +5,9 @@ the same endpoint or cluster, and reports ratios (users run them against their o
   put/get the same bytes with plain parallel multipart requests (the limit the storage allows). Reports
   save and load throughput against raw put and get, and the async save's blocking time against a sync save.
 - overhead: one Ray Train run with W workers trains the same model on the same data through a bare DDP loop
-  and through the harness (checkpoints off; then async checkpoints every 20 steps), in alternating rounds so
-  that drift on a shared machine hits every variant alike. Reports step-time ratios.
+  and through the harness (checkpoints off; then async checkpoints every 20 steps), in short blocks that
+  rotate through the variants, so that drift on a shared machine hits every variant alike. Reports step-time
+  ratios taken within each round of blocks (median over rounds).
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ def _free_port() -> int:
 class OverheadBench:
     workers: int
     rounds: int
-    steps_per_round: int
+    steps_per_block: int
     bare_step_ms: float
     harness_step_ms: float
     harness_ckpt_step_ms: float
@@ -223,6 +224,9 @@ class OverheadBench:
     ckpt_overhead_ratio: float  # harness with async checkpoints every 20 steps / bare
     checkpoints_committed: int
     checkpoint_every_steps: int
+    save_stall_ms: float  # the loop's mean wait per save: staging, and the optimizer step waiting for its copy
+    save_ms: float  # mean time from save() to commit, in the background
+    block_end_wait_ms: float  # mean wait at a checkpointing block's end for its last save (counted in the block)
 
 
 def _bench_model(width: int):
@@ -232,7 +236,13 @@ def _bench_model(width: int):
 
 
 def _overhead_worker(config: dict) -> None:
-    """Inside Ray Train: the bare loop and the harness, in alternating rounds, on the same model and data."""
+    """Inside Ray Train: the bare loop and the harness, in short interleaved blocks, on the same model and data.
+
+    A block is `steps` steps (a multiple of the checkpoint interval) of one variant. Blocks rotate through the
+    variants many times, so a slow spell of the shared machine (step times drift by 20% over tens of seconds
+    here) hits all of them alike. The checkpointing variant runs offset by half an interval: its saves fall
+    mid-block, and the block's time includes waiting for its last save, so every save's full cost (its
+    staging, its background upload competing for the CPU, its commit) is inside some timed block."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -245,11 +255,11 @@ def _overhead_worker(config: dict) -> None:
     torch.manual_seed(0)
     width, batch, steps, rounds = config["width"], config["batch"], config["steps"], config["rounds"]
     every = config["every_steps"]
-    if steps < 3 * every:
-        raise ValueError(f"steps per round ({steps}) must be at least 3 x the checkpoint interval ({every})")
-    samples = batch * steps * dist.get_world_size()
-    data = TensorDataset(torch.randn(samples, width), torch.randint(0, 10, (samples,)))
+    if steps % every or steps < every:
+        raise ValueError(f"steps per block ({steps}) must be a multiple of the checkpoint interval ({every})")
     rank, world = dist.get_rank(), dist.get_world_size()
+    samples = batch * 4 * steps * world  # epochs of a few blocks: the loaders' epoch turns are timed too
+    data = TensorDataset(torch.randn(samples, width), torch.randint(0, 10, (samples,)))
 
     # The bare baseline: what a user writes with Ray Train and plain PyTorch.
     bare_model = DistributedDataParallel(_bench_model(width))
@@ -276,43 +286,54 @@ def _overhead_worker(config: dict) -> None:
             session.optimize(F.cross_entropy(model(x), y))
         return session, loader, one_step
 
+    def endless(loader):
+        while True:
+            yield from loader
+
     _, quiet_loader, quiet_step = harness(10 ** 9)  # checkpoints off
     saving, saving_loader, saving_step = harness(every)
-    variants = {"bare": (bare_loader, bare_step), "harness": (quiet_loader, quiet_step),
-                "harness_ckpt": (saving_loader, saving_step)}
-    # Steady state: time the steps in [every, steps - every) of each round (an epoch), so saves overlap the
-    # window fully; the last saves of a round finish outside it, before another variant starts.
-    window = (every, steps - every)
+    variants = {"bare": (endless(bare_loader), bare_step), "harness": (endless(quiet_loader), quiet_step),
+                "harness_ckpt": (endless(saving_loader), saving_step)}
 
-    def timed_round(loader, step_fn) -> float:
-        started = ended = 0.0
-        for index, batch_data in enumerate(loader):
-            if index == window[0]:
-                started = time.perf_counter()
-            step_fn(batch_data)
-            if index == window[1] - 1:
-                ended = time.perf_counter()
-        saving.checkpointer.wait_staged()
-        saving.checkpointer.wait()
-        return (ended - started) / (window[1] - window[0])
+    def block(name: str) -> float:
+        batches, step_fn = variants[name]
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(steps):
+            step_fn(next(batches))
+        waiting = time.perf_counter()
+        saving.checkpointer.wait()  # no-op for the other variants
+        ended = time.perf_counter()
+        if name == "harness_ckpt":
+            tail_waits.append(ended - waiting)
+        seconds = ended - started
+        saving._drain_reports()  # Ray's bookkeeping of the reports, before the next block
+        return seconds / steps
 
+    for _ in range(every // 2):  # the offset: saves at the middle of the checkpointing variant's blocks
+        saving_step(next(variants["harness_ckpt"][0]))
+    tail_waits: list[float] = []
+    names = list(variants)
+    for name in names:  # warm-up: allocations, the first save's staging buffers, connections
+        block(name)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for loader, step_fn in variants.values():  # warm-up round: allocations, first save's staging buffers
-        timed_round(loader, step_fn)
     for index in range(rounds):
-        order = list(variants) if index % 2 == 0 else list(reversed(variants))
-        for name in order:
-            dist.barrier()
-            times[name].append(timed_round(*variants[name]))
+        # Rotate the order: each variant follows each other one equally often.
+        for name in names[index % len(names):] + names[:index % len(names)]:
+            times[name].append(block(name))
     committed = sum(1 for r in saving.checkpointer.results if r.committed)
+    timed_saves = [r for r in saving.checkpointer.results[-rounds * (steps // every):] if r.committed]
+    stall = statistics.mean(r.blocked_seconds for r in timed_saves) if timed_saves else 0.0
+    save_seconds = statistics.mean(r.total_seconds for r in timed_saves) if timed_saves else 0.0
     if rank == 0:
         # Train V2 hands the driver only checkpointed metrics: the result goes next to the run's checkpoints.
         with saving.store.fs.open(f"{saving.store.root}/{OVERHEAD_RESULT}", "w") as handle:
-            json.dump({"times": times, "committed": committed}, handle)
+            json.dump({"times": times, "committed": committed, "stall_s": stall, "save_s": save_seconds,
+                       "tail_wait_s": statistics.mean(tail_waits[1:] or [0.0])}, handle)
     dist.barrier()
 
 
-def bench_overhead(uri: str, workers: int = 2, rounds: int = 3, steps: int = 120, every_steps: int = 20,
+def bench_overhead(uri: str, workers: int = 2, rounds: int = 12, steps: int = 40, every_steps: int = 20,
                    width: int = 1024, batch: int = 256) -> OverheadBench:
     import ray
     from ray.train import RunConfig, ScalingConfig
@@ -350,13 +371,18 @@ def bench_overhead(uri: str, workers: int = 2, rounds: int = 3, steps: int = 120
         measured = json.load(handle)
     times = measured["times"]
     bare, quiet, saving = (statistics.median(times[k]) for k in ("bare", "harness", "harness_ckpt"))
+    # Ratios within a round (adjacent blocks), then the median over rounds: a slow spell of the shared machine
+    # moves a round's variants together, and falls out of their ratio.
+    paired = lambda key: statistics.median(a / b for a, b in zip(times[key], times["bare"]))  # noqa: E731
     per_step = 1000
     return OverheadBench(
-        workers=workers, rounds=rounds, steps_per_round=steps,
+        workers=workers, rounds=rounds, steps_per_block=steps,
         bare_step_ms=round(bare * per_step, 3), harness_step_ms=round(quiet * per_step, 3),
         harness_ckpt_step_ms=round(saving * per_step, 3),
-        overhead_ratio=round(quiet / bare, 4), ckpt_overhead_ratio=round(saving / bare, 4),
+        overhead_ratio=round(paired("harness"), 4), ckpt_overhead_ratio=round(paired("harness_ckpt"), 4),
         checkpoints_committed=int(measured["committed"]), checkpoint_every_steps=every_steps,
+        save_stall_ms=round(measured["stall_s"] * 1000, 2), save_ms=round(measured["save_s"] * 1000, 1),
+        block_end_wait_ms=round(measured["tail_wait_s"] * 1000, 1),
     )
 
 

@@ -464,8 +464,10 @@ def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, repeats:
 @bench_group.command("overhead")
 @click.option("--uri", help="Checkpoint root for the harness (default: the local stack's s3://BUCKET/bench).")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1))
-@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1), help="Timed rounds per variant.")
-@click.option("--steps", default=120, show_default=True, type=click.IntRange(60), help="Steps per round.")
+@click.option("--rounds", default=12, show_default=True, type=click.IntRange(1),
+              help="Timed blocks per variant (one of each per round, in rotating order).")
+@click.option("--steps", default=40, show_default=True, type=click.IntRange(20),
+              help="Steps per block (a multiple of the checkpoint interval, 20).")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(8), help="MLP width (model size).")
 @click.option("--batch", default=256, show_default=True, type=click.IntRange(1), help="Batch per worker.")
 @click.option("--json", "as_json", is_flag=True)
