@@ -7,7 +7,8 @@ the same endpoint or cluster, and reports ratios (users run them against their o
 - overhead: one Ray Train run with W workers trains the same model on the same data through a bare DDP loop
   and through the harness (checkpoints off; then async checkpoints every 20 steps), in short blocks that
   rotate through the variants, so that drift on a shared machine hits every variant alike. Reports step-time
-  ratios taken within each round of blocks (median over rounds).
+  ratios taken within each round of blocks (median over rounds). A fourth variant, the bare loop plus a raw
+  PUT of the same bytes at the same interval, is the floor: what moving the bytes alone costs the training.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import socket
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -222,6 +224,8 @@ class OverheadBench:
     harness_ckpt_step_ms: float
     overhead_ratio: float  # harness / bare, checkpoints off
     ckpt_overhead_ratio: float  # harness with async checkpoints every 20 steps / bare
+    bare_put_step_ms: float
+    put_overhead_ratio: float  # the floor: bare loop + a raw PUT of the same bytes every 20 steps / bare
     checkpoints_committed: int
     checkpoint_every_steps: int
     save_stall_ms: float  # the loop's mean wait per save: staging, and the optimizer step waiting for its copy
@@ -292,8 +296,35 @@ def _overhead_worker(config: dict) -> None:
 
     _, quiet_loader, quiet_step = harness(10 ** 9)  # checkpoints off
     saving, saving_loader, saving_step = harness(every)
+
+    # The floor: the bare loop plus a raw PUT of this rank's share of the state's bytes every `every` steps, in
+    # a background thread. What moving the bytes alone to this endpoint costs the training on this machine.
+    raw_put = {"count": every // 2, "thread": None, "payload": None}
+    raw_path = f"{saving.store.root}/raw-put/part-{rank}"
+
+    def wait_raw_put() -> None:
+        if raw_put["thread"] is not None:
+            raw_put["thread"].join()
+            raw_put["thread"] = None
+
+    def bare_put_step(batch_data) -> None:
+        bare_step(batch_data)
+        raw_put["count"] += 1
+        if raw_put["count"] % every == 0:
+            wait_raw_put()
+            if raw_put["payload"] is None:  # built once, untimed: the floor counts the transfer alone
+                state = [p.detach() for p in bare_model.parameters()] + \
+                    [t for s in bare_opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+                flat = torch.cat([t.flatten().float() for t in state]).numpy().tobytes()
+                share = len(flat) // world
+                raw_put["payload"] = flat[rank * share:(rank + 1) * share]
+            raw_put["thread"] = threading.Thread(target=saving.store.fs.pipe_file,
+                                                 args=(raw_path, raw_put["payload"]), daemon=True)
+            raw_put["thread"].start()
+
     variants = {"bare": (endless(bare_loader), bare_step), "harness": (endless(quiet_loader), quiet_step),
-                "harness_ckpt": (endless(saving_loader), saving_step)}
+                "harness_ckpt": (endless(saving_loader), saving_step),
+                "bare_put": (endless(bare_loader), bare_put_step)}
 
     def block(name: str) -> float:
         batches, step_fn = variants[name]
@@ -303,6 +334,7 @@ def _overhead_worker(config: dict) -> None:
             step_fn(next(batches))
         waiting = time.perf_counter()
         saving.checkpointer.wait()  # no-op for the other variants
+        wait_raw_put()
         ended = time.perf_counter()
         if name == "harness_ckpt":
             tail_waits.append(ended - waiting)
@@ -370,7 +402,8 @@ def bench_overhead(uri: str, workers: int = 2, rounds: int = 12, steps: int = 40
     with store.fs.open(f"{store.root}/{OVERHEAD_RESULT}", "r") as handle:
         measured = json.load(handle)
     times = measured["times"]
-    bare, quiet, saving = (statistics.median(times[k]) for k in ("bare", "harness", "harness_ckpt"))
+    bare, quiet, saving, putting = (statistics.median(times[k]) for k in ("bare", "harness", "harness_ckpt",
+                                                                          "bare_put"))
     # Ratios within a round (adjacent blocks), then the median over rounds: a slow spell of the shared machine
     # moves a round's variants together, and falls out of their ratio.
     paired = lambda key: statistics.median(a / b for a, b in zip(times[key], times["bare"]))  # noqa: E731
@@ -380,6 +413,7 @@ def bench_overhead(uri: str, workers: int = 2, rounds: int = 12, steps: int = 40
         bare_step_ms=round(bare * per_step, 3), harness_step_ms=round(quiet * per_step, 3),
         harness_ckpt_step_ms=round(saving * per_step, 3),
         overhead_ratio=round(paired("harness"), 4), ckpt_overhead_ratio=round(paired("harness_ckpt"), 4),
+        bare_put_step_ms=round(putting * per_step, 3), put_overhead_ratio=round(paired("bare_put"), 4),
         checkpoints_committed=int(measured["committed"]), checkpoint_every_steps=every_steps,
         save_stall_ms=round(measured["stall_s"] * 1000, 2), save_ms=round(measured["save_s"] * 1000, 1),
         block_end_wait_ms=round(measured["tail_wait_s"] * 1000, 1),
