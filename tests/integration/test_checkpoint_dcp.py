@@ -609,3 +609,19 @@ def test_retain_never_deletes_a_checkpoint_another_process_committed(s3_env):
     store.retain(keep=2)
     assert set(keys_under(s3_env, "run-stale-retain/")) >= {"step-000000010/COMMITTED.json",
                                                              "step-000000020/COMMITTED.json"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# d) the checkpoint benchmark users run against their own bucket works end to end
+
+
+def test_checkpoint_benchmark_measures_and_loads_back_exactly(s3_env):
+    from elastic.bench import bench_checkpoint
+
+    result = bench_checkpoint(f"s3://{BUCKET}/bench", size_mb=8, workers=2, repeats=1)
+    assert result.loaded_equal, "the benchmark's load did not give back the saved state"
+    assert result.workers == 2 and result.size_mb >= 8 and result.shards >= 2  # whole layers: 12 MB at least
+    for figure in (result.raw_put_mb_s, result.save_mb_s, result.raw_get_mb_s, result.load_mb_s):
+        assert figure > 0
+    assert 0 < result.stall_ratio < 1 and result.throughput_ratio > 0 and result.load_ratio > 0
+    assert keys_under(s3_env, "bench/") == {}, "the benchmark left objects behind"
