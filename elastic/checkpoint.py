@@ -237,11 +237,10 @@ class CheckpointStore:
                 metadata = pickle.load(handle)
         except Exception as err:  # any unreadable metadata is a broken checkpoint, whatever the cause
             return [f"{DCP_METADATA}: unreadable ({type(err).__name__})"]
+        from elastic.dcp_io import file_ends
+
         problems = []
-        ends: dict[str, int] = {}
-        for info in (metadata.storage_data or {}).values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-        for name, end in sorted(ends.items()):
+        for name, end in sorted(file_ends(metadata.storage_data).items()):
             if name not in actual:
                 problems.append(f"{name}: missing (the metadata references it)")
             elif actual[name] < end:

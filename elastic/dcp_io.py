@@ -30,7 +30,15 @@ from typing import Any, Callable, Generator
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
-DCP_METADATA = ".metadata"
+from elastic.checkpoint import DCP_METADATA
+
+
+def file_ends(storage_data: dict | None) -> dict[str, int]:
+    """File name -> where its last item ends, from DCP metadata's storage_data: the file's size as written."""
+    ends: dict[str, int] = {}
+    for info in (storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    return ends
 
 
 # Files up to this size go up in one PUT straight from the buffer DCP wrote them into; larger ones through
@@ -175,10 +183,7 @@ class ObjectStoreWriter(FsspecWriter):
         metadata.storage_meta = self.storage_meta()
         encoded = pickle.dumps(metadata)
         self.fs.fs.pipe_file(os.fspath(self.fs.concat_path(self.path, DCP_METADATA)), encoded)
-        sizes: dict[str, int] = {}
-        for info in metadata.storage_data.values():  # each file ends where its last item ends
-            sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
-        self.file_sizes = {**sizes, DCP_METADATA: len(encoded)}
+        self.file_sizes = {**file_ends(metadata.storage_data), DCP_METADATA: len(encoded)}
 
 
 @dataclass(frozen=True)
@@ -210,17 +215,11 @@ class ObjectStoreReader(FsspecReader):
 
         return self.group is not None and dist.is_initialized() and dist.get_world_size(self.group) > 1
 
-    def _file_sizes(self) -> dict[str, int]:
-        sizes: dict[str, int] = {}
-        for info in self.storage_data.values():
-            sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
-        return sizes
-
     def prepare_global_plan(self, plans):
         plans = super().prepare_global_plan(plans)
         if len(plans) < 2:
             return plans
-        sizes = self._file_sizes()
+        sizes = file_ends(self.storage_data)
         needed_by: dict[str, list[int]] = {}
         for rank, plan in enumerate(plans):
             for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
