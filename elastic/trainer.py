@@ -452,9 +452,7 @@ def _retry_controller_error(err: Exception, spec: JobSpec, record: dict, failure
     again from the last committed checkpoint, within failure.max_failures. Seen: a worker of a placement
     started right after the previous one ended died importing torch because its working directory had just
     been garbage-collected by Ray's runtime env agent."""
-    from ray.train import ControllerError
-
-    if not isinstance(err, ControllerError):
+    if not _controller_failed(err):
         return False
     limit = spec.failure.max_failures
     record["ended_by"] = "controller error"
@@ -464,6 +462,21 @@ def _retry_controller_error(err: Exception, spec: JobSpec, record: dict, failure
           f"starting a new one from the last checkpoint (failure {failures}"
           + (f" of {limit}" if limit >= 0 else "") + ")", flush=True)
     return True
+
+
+def _controller_failed(err: BaseException) -> bool:
+    """Did fit() fail in Ray Train's controller rather than in the user's code?"""
+    from ray.exceptions import ActorDiedError
+    from ray.train import ControllerError
+
+    if isinstance(err, ControllerError):
+        return True
+    # Seen: the controller of a placement started ahead died in its constructor reading Ray Train's run snapshot
+    # while the ending placement's controller rewrote it (pyarrow reads an S3 object with a HEAD and then ranged
+    # GETs, so a concurrent rewrite tears the read: "Unterminated string"). Started again, it reads the settled
+    # snapshot. Ray keeps only the message of a constructor's error, hence the name test.
+    return isinstance(err, ActorDiedError) and err.actor_init_failed \
+        and "CheckpointManagerInitializationError" in str(err)
 
 
 def read_summary(spec: JobSpec, run_name: str) -> dict | None:

@@ -52,3 +52,33 @@ def test_a_failed_fit_hands_its_error_over(capsys):
     assert isinstance(fitting.error, RuntimeError)
     fitting.finish_quietly()  # after an acknowledged end a failed shutdown is only logged
     assert "shutdown failed (RuntimeError: controller died)" in capsys.readouterr().out
+
+
+def _controller_died_in_constructor(message: str):
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    return ActorDiedError(RayTaskError("TrainController.__init__", f"Traceback ...\n{message}", RuntimeError(message)))
+
+
+def test_a_controller_that_tore_its_read_of_rays_run_snapshot_is_started_again():
+    """Seen on the local stack: a placement started ahead read Ray Train's run snapshot while the ending
+    placement's controller rewrote it, and its controller died in its constructor."""
+    from ray.train import ControllerError
+
+    from elastic.spec import JobSpec
+    from elastic.trainer import _controller_failed, _retry_controller_error
+
+    torn = _controller_died_in_constructor("ray.train.v2._internal.exceptions.CheckpointManagerInitializationError: "
+                                           "Unterminated string starting at: line 1 column 769 (char 768)")
+    assert _controller_failed(torn)
+    assert _controller_failed(ControllerError(RuntimeError("worker group failed to start")))
+    # The user's own errors, and other constructor failures, are not retried as controller errors.
+    assert not _controller_failed(ValueError("bad config"))
+    assert not _controller_failed(_controller_died_in_constructor("ValueError: storage_path is not writable"))
+
+    spec = JobSpec.model_validate({"name": "t", "entrypoint": "m:f", "workers": {"min": 1},
+                                   "checkpoint": {"uri": "/tmp/ckpt", "every_steps": 10}, "failure": {"max_failures": 1}})
+    record: dict = {}
+    assert _retry_controller_error(torn, spec, record, failures=1)
+    assert record["ended_by"] == "controller error"
+    assert not _retry_controller_error(torn, spec, record, failures=2)  # within failure.max_failures only
