@@ -11,8 +11,12 @@ Side by side in one run, the same model, data, worker count and checkpoint inter
 (d) goodput (optional, --minutes): a run with a noticed reclaim every --every seconds: time in steps that count
     over wall time from the first step to the last.
 
-Each reclaim kills a node holding a worker of the run and starts a like node right away (as an autoscaler
-would), so every run can go on at its fixed worker count. Timelines come from elastic.bench_jobs.
+Each reclaim kills a node holding a worker of the run; a spare spot node lets the run resume at once at its
+fixed worker count, and a like node replaces the reclaimed one (as an autoscaler would) once the run has
+resumed. On a cloud the replacement boots on other hardware; here a node's boot takes both cores for about 10
+s, and started at the kill it would be charged to the resumed run's restart (it was seen stretching Ray's
+worker-group start from 9 s to 13 s). A real autoscaler takes minutes, so waiting for the resume is not
+generous. Timelines come from elastic.bench_jobs.
 """
 
 from __future__ import annotations
@@ -133,13 +137,14 @@ class _Run:
 
 
 def _reclaim(run: _Run, notice: float | None, log) -> Outcome:
-    """Reclaim a node of the run (with a replacement right away) and measure the recovery."""
+    """Reclaim a node of the run, measure the recovery, then start a replacement (see the module's note)."""
     before = run.attempts()
     node = run.worker_node()
     log(f"  reclaiming {node['name']} ({'hard' if notice is None else f'{notice:g} s notice'})")
-    report = preempt.preempt([node], notice=notice, hard=notice is None, replace_after=0.0, log=lambda _: None)
+    report = preempt.preempt([node], notice=notice, hard=notice is None, replace_after=None, log=lambda _: None)
     killed_at = report.reclaims[0].killed_at
     resumed = _first_step(run, len(before))
+    local.add_node(node["market"])
     old = run.attempts()[len(before) - 1]
     steps = [t for s, t in old["steps"]]
     step_seconds = statistics.median(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 2 else 0.0
