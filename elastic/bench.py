@@ -41,11 +41,14 @@ class CheckpointBench:
     load_mb_s: float
     sync_save_s: float
     async_blocked_s: float
-    throughput_ratio: float  # save / raw put
-    load_ratio: float  # load / raw get
+    throughput_ratio: float  # save / raw put: the median of the repeats' paired ratios
+    load_ratio: float  # load / raw get: likewise
     stall_ratio: float  # async blocking time / sync save time
     shards: int
     loaded_equal: bool
+    repeats: int
+    throughput_ratios: list[float]  # each repeat's, in order: the spread shows the endpoint's noise
+    load_ratios: list[float]
 
 
 def bench_model(size_mb: float, width: int = 1024, seed: int = 0):
@@ -172,13 +175,13 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
     if rank == 0:
         info = store.info(2 * repeats - 1)
         medians = {key: statistics.median(values) for key, values in times.items()}
-        Path(out).write_text(json.dumps({**medians, "committed": committed, "shards": info.shards,
+        Path(out).write_text(json.dumps({**medians, "times": times, "committed": committed, "shards": info.shards,
                                          "bytes": len(payload), "equal": all(equal_all)}))
         store.fs.rm(store.root, recursive=True)
     dist.destroy_process_group()
 
 
-def bench_checkpoint(uri: str, size_mb: float = 256, workers: int = 2, repeats: int = 3) -> CheckpointBench:
+def bench_checkpoint(uri: str, size_mb: float = 256, workers: int = 2, repeats: int = 7) -> CheckpointBench:
     import torch.multiprocessing as mp
 
     from elastic.storage import check_storage
@@ -195,12 +198,18 @@ def bench_checkpoint(uri: str, size_mb: float = 256, workers: int = 2, repeats: 
         raise RuntimeError("a benchmark checkpoint did not commit; see the log above")
     size = raw["bytes"] / MB
     put, save, get, load = (size / raw[k] for k in ("put_s", "save_s", "get_s", "load_s"))
+    # Ratios are paired within a repeat (the raw transfer and ours ran back to back, in alternating order), so a
+    # slow spell of the endpoint (its garbage collector, the machine's other work) hits both sides of a ratio.
+    times = raw["times"]
+    throughput = [round(p / s, 3) for p, s in zip(times["put_s"], times["save_s"])]
+    loads = [round(g / l, 3) for g, l in zip(times["get_s"], times["load_s"])]
     return CheckpointBench(
         uri=uri, size_mb=round(size, 1), workers=workers,
         raw_put_mb_s=round(put, 1), save_mb_s=round(save, 1), raw_get_mb_s=round(get, 1), load_mb_s=round(load, 1),
         sync_save_s=round(raw["save_s"], 3), async_blocked_s=round(raw["blocked_s"], 4),
-        throughput_ratio=round(save / put, 3), load_ratio=round(load / get, 3),
+        throughput_ratio=round(statistics.median(throughput), 3), load_ratio=round(statistics.median(loads), 3),
         stall_ratio=round(raw["blocked_s"] / raw["save_s"], 4), shards=raw["shards"], loaded_equal=raw["equal"],
+        repeats=repeats, throughput_ratios=throughput, load_ratios=loads,
     )
 
 

@@ -144,13 +144,17 @@ def _reclaim(run: _Run, notice: float | None, log) -> Outcome:
     report = preempt.preempt([node], notice=notice, hard=notice is None, replace_after=None, log=lambda _: None)
     killed_at = report.reclaims[0].killed_at
     resumed = _first_step(run, len(before))
+    idle = None
+    if notice is not None and run.kind == "ours":  # read now: retention prunes it a few saves later
+        committed = _commit_time(run.state, run, resumed["start"])
+        idle = round(killed_at - committed, 2) if committed else float("nan")
     local.add_node(node["market"])
     old = run.attempts()[len(before) - 1]
     steps = [t for s, t in old["steps"]]
     step_seconds = statistics.median(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 2 else 0.0
     lost = max(s for s, _ in old["steps"]) - resumed["start"]
     return Outcome(lost_steps=max(0, lost), recovery_s=round(resumed["steps"][0][1] - killed_at, 2),
-                   resumed_step=resumed["start"], killed_at=killed_at, step_seconds=step_seconds)
+                   resumed_step=resumed["start"], killed_at=killed_at, step_seconds=step_seconds, idle=idle)
 
 
 def _first_step(run: _Run, attempts_before: int, timeout: float = 600) -> dict:
@@ -220,9 +224,6 @@ def bench_recovery(notice: float = 20.0, workers: int = 2, minutes: float | None
                 run.wait_for_step(2 * EVERY_STEPS + EVERY_STEPS // 2)
                 outcome = _reclaim(run, notice_for, log)
                 run.wait_for_step(outcome.resumed_step + 10, after_attempts=0)
-                if kind == "notice":
-                    committed = _commit_time(local.running_state(), run, outcome.resumed_step)
-                    outcome.idle = round(outcome.killed_at - committed, 2) if committed else float("nan")
                 results[kind] = outcome
                 log(f"  lost {outcome.lost_steps} steps, first resumed step {outcome.recovery_s:.1f} s after "
                     "the node died")

@@ -442,7 +442,8 @@ def _show_bench(title: str, result: dict, ratios: dict[str, float]) -> None:
 @click.option("--uri", help="Where to write (default: the local stack's s3://BUCKET/bench).")
 @click.option("--size-mb", default=256.0, show_default=True, type=click.FloatRange(min=1), help="State size.")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1), help="Ranks (local processes).")
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1), help="Timed repeats (median).")
+@click.option("--repeats", default=7, show_default=True, type=click.IntRange(1),
+              help="Timed repeats; ratios are the median of each repeat's paired ratio.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, repeats: int, as_json: bool) -> None:
     """Sharded async save and load against raw parallel multipart put/get of the same bytes.

@@ -618,8 +618,10 @@ def test_retain_never_deletes_a_checkpoint_another_process_committed(s3_env):
 def test_checkpoint_benchmark_measures_and_loads_back_exactly(s3_env):
     from elastic.bench import bench_checkpoint
 
-    result = bench_checkpoint(f"s3://{BUCKET}/bench", size_mb=8, workers=2, repeats=1)
+    result = bench_checkpoint(f"s3://{BUCKET}/bench", size_mb=8, workers=2, repeats=2)
     assert result.loaded_equal, "the benchmark's load did not give back the saved state"
+    assert len(result.throughput_ratios) == len(result.load_ratios) == result.repeats == 2
+    assert min(result.throughput_ratios) <= result.throughput_ratio <= max(result.throughput_ratios)
     assert result.workers == 2 and result.size_mb >= 8 and result.shards >= 2  # whole layers: 12 MB at least
     for figure in (result.raw_put_mb_s, result.save_mb_s, result.raw_get_mb_s, result.load_mb_s):
         assert figure > 0
