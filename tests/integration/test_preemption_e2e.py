@@ -180,3 +180,21 @@ def test_hard_kill_resumes_from_the_last_periodic_checkpoint(stack, baseline):
     resumed = [int(a) for a, _, _ in RESUMED_LINE.findall(output)]
     assert resumed and all(step % 50 == 0 and step >= 100 for step in resumed), resumed  # every_steps: 50
     assert_same_weights(final_tensors(stack, "digits-ddp-hard"), baseline)
+
+
+def test_recovery_benchmark_runs_side_by_side_and_loses_nothing_to_a_noticed_reclaim(stack):
+    """`elastic bench recovery --json` (without the 10-minute goodput run): a noticed reclaim of our run, a hard
+    kill of it, and a noticed reclaim of a bare Ray Train loop, one after the other on this stack."""
+    import math
+
+    proc = stack["cli"].run("bench", "recovery", "--json", timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["lost_steps_notice"] == 0, result  # the just-in-time checkpoint held the last step
+    # Without notice the run goes back to its last periodic checkpoint: fewer than an interval lost.
+    assert 0 <= result["lost_steps_hard"] < 2 * result["checkpoint_every_steps"], result
+    assert result["recovery_s"] > 0 and result["bare_ray_recovery_s"] > 0 and result["hard_recovery_s"] > 0
+    assert result["recovery_ratio"] == pytest.approx(result["recovery_s"] / result["bare_ray_recovery_s"], abs=1e-3)
+    # The just-in-time commit came before the node died (by about the watcher's and the job's margins).
+    assert math.isfinite(result["notice_idle_s"]) and 0 < result["notice_idle_s"] < result["notice_seconds"]
+    assert result["goodput"] is None and result["goodput_gaps_s"] is None  # --minutes not given
