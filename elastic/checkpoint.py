@@ -46,10 +46,12 @@ class CheckpointInfo:
     size_bytes: int = 0
     shards: int = 0
     files: dict[str, int] = field(default_factory=dict)
+    reason: str | None = None  # why it was written: periodic, just-in-time (a reclaim notice) or final
 
     def to_json(self) -> dict:
         return {"step": self.step, "uri": self.uri, "committed": self.committed, "time": self.time,
-                "world_size": self.world_size, "size_bytes": self.size_bytes, "shards": self.shards}
+                "world_size": self.world_size, "size_bytes": self.size_bytes, "shards": self.shards,
+                "reason": self.reason}
 
 
 class CheckpointStore:
@@ -113,7 +115,8 @@ class CheckpointStore:
         files = {k: int(v) for k, v in manifest["files"].items()}
         return CheckpointInfo(step, path, self.uri(step), committed=True, time=manifest.get("time"),
                               world_size=manifest.get("world_size"), size_bytes=sum(files.values()),
-                              shards=sum(1 for f in files if f.endswith(".distcp")), files=files)
+                              shards=sum(1 for f in files if f.endswith(".distcp")), files=files,
+                              reason=manifest.get("reason"))
 
     def latest_committed(self) -> CheckpointInfo | None:
         committed = [step for step, names in self.scan().items() if MARKER in names and TOMBSTONE not in names]
@@ -135,7 +138,8 @@ class CheckpointStore:
         self.fs.pipe_file(f"{path}/{MARKER}", json.dumps(manifest, indent=1).encode())
         return CheckpointInfo(step, path, self.uri(step), committed=True, time=manifest["time"],
                               world_size=world_size, size_bytes=sum(files.values()),
-                              shards=sum(1 for f in files if f.endswith(".distcp")), files=files)
+                              shards=sum(1 for f in files if f.endswith(".distcp")), files=files,
+                              reason=manifest.get("reason"))
 
     def retain(self, keep: int, keep_every: int | None = None) -> list[int]:
         """Delete all but the newest `keep` committed checkpoints (and every `keep_every`-th step), and any
@@ -306,11 +310,12 @@ class ShardedCheckpointer:
         self._buffers: dict | None = None  # staging memory, reused between saves
         self._staged: threading.Event | None = None  # set once the save in flight has copied all its tensors
         self._waited = 0.0  # seconds the loop waited in wait_staged() for the save in flight
+        self._reasons: dict[int, str] = {}  # step -> why it is saved, recorded in its commit marker
         self.results: list[SaveResult] = []
 
     # -- save
     def save(self, step: int, state: dict[str, Any], asynchronous: bool = True,
-             deferrable: Callable[[Any], bool] | None = None) -> Future:
+             deferrable: Callable[[Any], bool] | None = None, reason: str = "periodic") -> Future:
         """Stage `state` to host memory, then write and commit it in the background.
 
         With `deferrable` (async only), tensors it accepts (parameters and optimizer state: changed only by
@@ -319,6 +324,7 @@ class ShardedCheckpointer:
         from an optimizer step pre-hook). Everything else is staged before this returns."""
         previous = self.wait()  # at most one in flight: a second save waits for the first
         del previous
+        self._reasons = {step: reason}
         started = time.perf_counter()
         copies: list[tuple[Any, Any]] = []
         if asynchronous:
@@ -403,7 +409,8 @@ class ShardedCheckpointer:
             # .metadata, so every shard is durable here: commit.
             if self.rank == 0:
                 self.fault_hook(step, "commit")
-                self.store.commit(step, self.world_size, files=getattr(writer, "file_sizes", None))
+                self.store.commit(step, self.world_size, extra={"reason": self._reasons.get(step, "periodic")},
+                                  files=getattr(writer, "file_sizes", None))
             return True, None
         # DCP raises CheckpointException (a BaseException) alike on every rank; storage errors vary by backend.
         except (Exception, CheckpointException) as err:

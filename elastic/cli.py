@@ -280,7 +280,7 @@ def _store(run: str, root: str | None):
 @click.option("--root", help="Runs root (the job's checkpoint.uri); default: the local stack's s3://BUCKET/runs.")
 @click.option("--json", "as_json", is_flag=True)
 def checkpoints_ls(run: str, root: str | None, as_json: bool) -> None:
-    """List checkpoints: step, time, size, shards, committed or not.
+    """List checkpoints: step, time, size, shards, committed or not, and why each was written.
 
     \b
     Example:
@@ -296,12 +296,12 @@ def checkpoints_ls(run: str, root: str | None, as_json: bool) -> None:
     if not infos:
         click.echo(f"no checkpoints under {store.run_uri}")
         return
-    table = Table("step", "time (UTC)", "size", "shards", "workers", "committed")
+    table = Table("step", "time (UTC)", "size", "shards", "workers", "committed", "reason")
     for info in infos:
         when = datetime.datetime.fromtimestamp(info.time, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") \
             if info.time else "-"
         table.add_row(str(info.step), when, f"{info.size_bytes / 1e6:.2f} MB", str(info.shards),
-                      str(info.world_size or "-"), "yes" if info.committed else "[red]no[/]")
+                      str(info.world_size or "-"), "yes" if info.committed else "[red]no[/]", info.reason or "-")
     console.print(table)
 
 

@@ -265,14 +265,15 @@ class Session:
             if self._placement.end_requested():
                 self._end_placement()
 
-    def checkpoint(self, metrics: dict | None = None, asynchronous: bool = True) -> None:
-        """Save now (all ranks). Blocks only while state is copied to host memory."""
+    def checkpoint(self, metrics: dict | None = None, asynchronous: bool = True, reason: str = "periodic") -> None:
+        """Save now (all ranks). Blocks only while state is copied to host memory. `reason` is recorded in the
+        commit marker (`elastic checkpoints ls` shows it)."""
         self._log_failure(self.checkpointer.wait())  # at most one in flight
         self._ledger.flush(self.step_count)  # records cover every step a commit of this save includes
         with self._report_lock:
             self._unreported[self.step_count] = {"step": self.step_count, **(metrics or {})}
         self.checkpointer.save(self.step_count, self._state(), asynchronous=asynchronous,
-                               deferrable=self._changed_only_by_optimizer())
+                               deferrable=self._changed_only_by_optimizer(), reason=reason)
         self._last_saved_step = self.step_count
         self._cadence.saved()
 
@@ -280,7 +281,7 @@ class Session:
         """Final checkpoint, waited for and reported with `metrics`: call at the end of training on every rank."""
         final = {"step": self.step_count, **(metrics or {})}
         if self._last_saved_step != self.step_count:
-            self.checkpoint(metrics, asynchronous=False)
+            self.checkpoint(metrics, asynchronous=False, reason="final")
             self._raise_if_failed(self.checkpointer.wait())
             self._report_ending(final)
             return
@@ -421,7 +422,7 @@ class Session:
         Ray's own restart from the last checkpoint remains."""
         started = time.monotonic()
         self._log_failure(self.checkpointer.wait())
-        self.checkpoint(metrics, asynchronous=False)
+        self.checkpoint(metrics, asynchronous=False, reason="just-in-time")
         result = self.checkpointer.wait()
         self._log_failure(result)
         if result is None or not result.committed:

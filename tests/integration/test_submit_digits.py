@@ -69,7 +69,8 @@ def test_submit_trains_on_spot_nodes_and_checkpoints_to_s3(stack, stack_env):
     verify = cli.run("checkpoints", "verify", RUN_NAME, check=True)
     assert "step-000000069: ok (2 shards" in verify.stdout
     listing = json.loads(cli.run("checkpoints", "ls", RUN_NAME, "--json", check=True).stdout)
-    assert [(c["step"], c["committed"], c["shards"]) for c in listing] == [(50, True, 2), (69, True, 2)]
+    assert [(c["step"], c["committed"], c["shards"], c["reason"]) for c in listing] == \
+        [(50, True, 2, "periodic"), (69, True, 2, "final")]
     result = summary(stack_env, stack["bucket"], RUN_NAME)
     assert result["status"] == "SUCCEEDED"
     assert result["metrics"]["step"] == 69

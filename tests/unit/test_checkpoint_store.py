@@ -368,3 +368,20 @@ def test_the_verify_command_exits_1_naming_the_missing_shard(store, run, dcp_che
     broken = subprocess.run(command, capture_output=True, text=True, env=env)
     assert broken.returncode == 1
     assert f"{shards[0]}: missing" in broken.stderr and "Traceback" not in broken.stderr
+
+
+def test_each_save_records_why_it_was_written_in_its_marker(store, run):
+    """Periodic saves, the just-in-time one at a reclaim notice and the final one say so: `elastic checkpoints
+    ls` shows it, so a resume from a just-in-time checkpoint is visible after the fact."""
+    import torch
+
+    from elastic.checkpoint import ShardedCheckpointer
+
+    checkpointer = ShardedCheckpointer(store, rank=0, world_size=1)
+    state = {"model": {"w": torch.arange(6.0)}}
+    checkpointer.save(10, state, asynchronous=False)
+    checkpointer.save(13, state, asynchronous=False, reason="just-in-time")
+    assert checkpointer.wait().committed
+    assert [(i.step, i.reason) for i in store.list()] == [(10, "periodic"), (13, "just-in-time")]
+    assert store.info(13).to_json()["reason"] == "just-in-time"
+    assert json.loads((step_dir(run, 13) / MARKER).read_text())["reason"] == "just-in-time"
