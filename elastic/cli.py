@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from elastic.errors import ElasticError, JobFailed, UserError
 
@@ -296,9 +296,11 @@ def checkpoints_ls(run: str, root: str | None, as_json: bool) -> None:
     if not infos:
         click.echo(f"no checkpoints under {store.run_uri}")
         return
-    table = Table("step", "time (UTC)", "size", "shards", "workers", "committed", "reason")
+    # Fits 80 columns (a pipe, a CI log): the year is left out of the time, `--json` has the timestamp.
+    table = Table("step", Column("time (UTC)", no_wrap=True), "size", "shards", "workers", "commit",
+                  Column("reason", no_wrap=True))
     for info in infos:
-        when = datetime.datetime.fromtimestamp(info.time, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") \
+        when = datetime.datetime.fromtimestamp(info.time, datetime.timezone.utc).strftime("%m-%d %H:%M:%S") \
             if info.time else "-"
         table.add_row(str(info.step), when, f"{info.size_bytes / 1e6:.2f} MB", str(info.shards),
                       str(info.world_size or "-"), "yes" if info.committed else "[red]no[/]", info.reason or "-")
