@@ -283,6 +283,21 @@ class SaveResult:
     error: str | None = None
 
 
+def _describe_failure(err: BaseException) -> str:
+    """One line naming the cause. DCP's CheckpointException prints only "ranks:dict_keys([1])" on its first
+    line; the failing ranks' own exceptions are in `failures`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(err, CheckpointException) and err.failures:
+        causes = []
+        for rank, (cause, _trace) in sorted(err.failures.items()):
+            text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+            causes.append(f"rank {rank}: {type(cause).__name__}: {text}"[:300])
+        return "; ".join(causes)
+    text = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text}"
+
+
 class ShardedCheckpointer:
     """DCP saves of a state dict from every rank straight to the store, async with at most one in flight.
 
@@ -414,8 +429,7 @@ class ShardedCheckpointer:
             return True, None
         # DCP raises CheckpointException (a BaseException) alike on every rank; storage errors vary by backend.
         except (Exception, CheckpointException) as err:
-            text = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
-            return False, f"{type(err).__name__}: {text}"
+            return False, _describe_failure(err)
 
     def threads_for(self, state: dict) -> int:
         """Files (and parallel uploads) for this rank: one per ~16 MB of its share, up to io_threads. Small

@@ -279,6 +279,31 @@ def _scenario_fail(rank, world, model, optimizer, store, checkpointer, out, args
     report["seconds"] = time.monotonic() - started
 
 
+def _scenario_upload_fails_on_one_rank(rank, world, model, optimizer, store, checkpointer, out, args, report):
+    """A good checkpoint, then a save whose shard uploads fail on rank 1 only: both ranks must fail alike (a
+    rank that believed it committed would go on while the other retried a collective save alone)."""
+    from elastic.dcp_io import ObjectStoreFileSystem
+
+    _train(model, optimizer, rank, 0, 1)
+    checkpointer.save(args["good_step"], _state(model, optimizer), asynchronous=False)
+    report["good"] = _result_json(checkpointer.results[-1])
+    real = ObjectStoreFileSystem.put
+
+    def put(self, path, stream):
+        if rank == 1 and str(path).endswith(".distcp"):
+            raise OSError("simulated S3 error writing a shard")
+        return real(self, path, stream)
+
+    ObjectStoreFileSystem.put = put
+    try:
+        started = time.monotonic()
+        checkpointer.save(args["step"], _state(model, optimizer))
+        _wait_and_report(checkpointer, report)
+        report["seconds"] = time.monotonic() - started
+    finally:
+        ObjectStoreFileSystem.put = real
+
+
 def _scenario_kill(rank, world, model, optimizer, store, checkpointer, out, args, report):
     """Commit a good checkpoint, then start a large async save and exit hard, without wait(), in the middle
     of its upload: once rank 0's (small) shard is in the store, while the last rank's 64 MB are still going up
@@ -357,6 +382,7 @@ SCENARIOS = {
     "load_counted": _scenario_load_counted,
     "load_owner_fails": _scenario_load_owner_fails,
     "fail": _scenario_fail,
+    "upload_fails_on_one_rank": _scenario_upload_fails_on_one_rank,
     "kill": _scenario_kill,
     "kill_before_marker": _scenario_kill_before_marker,
     "commit_fails_once": _scenario_commit_fails_once,
@@ -396,6 +422,7 @@ RUN_X = f"s3://{BUCKET}/run-x"
 RUN_KILL = f"s3://{BUCKET}/run-kill"
 RUN_KILL_LATE = f"s3://{BUCKET}/run-kill-late"
 RUN_FLAKY = f"s3://{BUCKET}/run-flaky-commit"
+RUN_UPLOAD_FAILS = f"s3://{BUCKET}/run-upload-fails"
 NO_BUCKET = "s3://no-such-bucket/run"
 
 
@@ -410,6 +437,7 @@ def w2_run(s3_env, tmp_path_factory):
         ("load_counted", {"run_uri": RUN_X, "step": SAVED_STEP, "seed": 1234, "snapshot": str(snapshot)}),
         ("load_owner_fails", {"run_uri": RUN_X, "step": SAVED_STEP, "group_timeout": 60}),
         ("fail", {"run_uri": NO_BUCKET, "step": 5, "retries": 1, "backoff": 0.1}),
+        ("upload_fails_on_one_rank", {"run_uri": RUN_UPLOAD_FAILS, "good_step": 3, "step": 6, "retries": 1}),
         ("commit_fails_once", {"run_uri": RUN_FLAKY, "step": 7, "retries": 1, "group_timeout": 4}),
         ("kill", {"run_uri": RUN_KILL, "good_step": 10, "torn_step": 20, "ballast_mb": 64}),
     ])
@@ -508,6 +536,24 @@ def test_a_save_whose_upload_fails_never_commits(w2_run, s3_env):
     assert "no-such-bucket" not in buckets  # nothing written anywhere, not even a bucket
     assert CheckpointStore(NO_BUCKET).latest_committed() is None
     assert CheckpointStore(NO_BUCKET).list() == []
+
+
+def test_a_shard_upload_failing_on_one_rank_never_commits_and_every_rank_agrees(w2_run, s3_env):
+    from elastic.checkpoint import MARKER, CheckpointStore
+
+    reports = w2_run["reports"]["upload_fails_on_one_rank"]
+    for report in reports:
+        assert report["good"]["committed"] is True, report
+        assert report.get("raised") is None, report
+        result = report["result"]
+        assert result["committed"] is False and result["attempts"] == 2, report  # retries=1, on both ranks
+        assert report["seconds"] < 30, report
+    errors = {r["rank"]: r["result"]["error"] for r in reports}
+    assert "simulated S3 error writing a shard" in errors[1] and errors[0], errors
+    folder = keys_under(s3_env, "run-upload-fails/step-000000006/")
+    assert MARKER not in folder, folder
+    store = CheckpointStore(RUN_UPLOAD_FAILS)
+    assert store.latest_committed().step == 3
 
 
 def test_a_failed_save_is_retried_and_reported_as_a_failed_result(w2_run):
