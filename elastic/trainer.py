@@ -376,9 +376,11 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
             policy.hint_spot_demand(workers, on=False)
 
 
-# The next placement is started this long before the ending one's just-in-time checkpoint is due: about what a
-# new Ray Train controller takes to come up, so it asks for workers just as the old ones are released.
-START_AHEAD_SECONDS = 6.0
+# The next placement is started this long before the ending one's just-in-time checkpoint is due, so that its
+# new Ray Train controller is up and asking for workers when the old ones are released. A controller took 5-7 s
+# to come up on a busy 2-core machine; at 6 s it was late in half the reclaims measured, and those restarts
+# took 4-7 s longer. Starting earlier costs only the controller's start-up CPU during a few more steps.
+START_AHEAD_SECONDS = 12.0
 # ...but not before the reclaim notice is this old: correlated reclaims reach their nodes' watchers a poll apart
 # (AWS asks for one poll every 5 s), and a placement sized before the second drain is known could land on it.
 NOTICE_SETTLE_SECONDS = 5.0
