@@ -288,14 +288,13 @@ def _describe_failure(err: BaseException) -> str:
     line; the failing ranks' own exceptions are in `failures`."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    def one_line(error: BaseException) -> str:
+        text = str(error).strip()
+        return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
     if isinstance(err, CheckpointException) and err.failures:
-        causes = []
-        for rank, (cause, _trace) in sorted(err.failures.items()):
-            text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-            causes.append(f"rank {rank}: {type(cause).__name__}: {text}"[:300])
-        return "; ".join(causes)
-    text = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
-    return f"{type(err).__name__}: {text}"
+        return "; ".join(f"rank {rank}: {one_line(cause)}" for rank, (cause, _trace) in sorted(err.failures.items()))
+    return one_line(err)
 
 
 class ShardedCheckpointer:
@@ -325,7 +324,7 @@ class ShardedCheckpointer:
         self._buffers: dict | None = None  # staging memory, reused between saves
         self._staged: threading.Event | None = None  # set once the save in flight has copied all its tensors
         self._waited = 0.0  # seconds the loop waited in wait_staged() for the save in flight
-        self._reasons: dict[int, str] = {}  # step -> why it is saved, recorded in its commit marker
+        self._reason = "periodic"  # why the save in flight (at most one) was asked for: goes in its marker
         self.results: list[SaveResult] = []
 
     # -- save
@@ -339,7 +338,7 @@ class ShardedCheckpointer:
         from an optimizer step pre-hook). Everything else is staged before this returns."""
         previous = self.wait()  # at most one in flight: a second save waits for the first
         del previous
-        self._reasons = {step: reason}
+        self._reason = reason
         started = time.perf_counter()
         copies: list[tuple[Any, Any]] = []
         if asynchronous:
@@ -424,7 +423,7 @@ class ShardedCheckpointer:
             # .metadata, so every shard is durable here: commit.
             if self.rank == 0:
                 self.fault_hook(step, "commit")
-                self.store.commit(step, self.world_size, extra={"reason": self._reasons.get(step, "periodic")},
+                self.store.commit(step, self.world_size, extra={"reason": self._reason},
                                   files=getattr(writer, "file_sizes", None))
             return True, None
         # DCP raises CheckpointException (a BaseException) alike on every rank; storage errors vary by backend.
