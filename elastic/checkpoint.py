@@ -143,19 +143,13 @@ class CheckpointStore:
 
     def retain(self, keep: int, keep_every: int | None = None) -> list[int]:
         """Delete all but the newest `keep` committed checkpoints (and every `keep_every`-th step), and any
-        uncommitted folder older than the newest committed one. Returns the deleted steps."""
+        uncommitted folder older than the newest committed one. Returns the deleted steps. Lists the run
+        folder: the process that commits the checkpoints prunes through `Retention`, which does not."""
         folders = {step: names for step, names in self.scan().items() if TOMBSTONE not in names}
-        committed = sorted(step for step, names in folders.items() if MARKER in names)
-        if not committed:
-            return []
-        newest = committed[-1]
-        kept = set(committed[-keep:])
-        if keep_every:
-            kept |= {s for s in committed if s % keep_every == 0}
-        doomed = sorted(step for step in folders if step not in kept and step < newest)
+        doomed = prunable({step: MARKER in names for step, names in folders.items()}, keep, keep_every)
         for step in doomed:
             if MARKER in folders[step]:
-                self.retire(step)
+                self.retire(step, folders[step])
             else:
                 self.delete(step)
         return doomed
@@ -172,18 +166,19 @@ class CheckpointStore:
             self.delete(step)
         return torn
 
-    def retire(self, step: int) -> None:
+    def retire(self, step: int, names: set[str] | None = None) -> None:
         """Prune a committed checkpoint: marker first (from then on it is not a checkpoint), then a tombstone,
-        then the shards, in one batched delete. The folder stays, holding only the tombstone."""
+        then the shards, in one batched delete. The folder stays, holding only the tombstone. `names`: the
+        folder's files, when the caller knows them (no listing)."""
         path = self.path(step)
         self.fs.invalidate_cache(path)
         try:
             self.fs.rm(f"{path}/{MARKER}")
         except FileNotFoundError:
             pass
-        with self.fs.open(f"{path}/{TOMBSTONE}", "w") as handle:
-            handle.write(f"step {step} pruned by retention at {time.time():.0f}\n")
-        doomed = [f"{path}/{name}" for name in self._sizes(path) if name != TOMBSTONE]
+        self.fs.pipe_file(f"{path}/{TOMBSTONE}", f"step {step} pruned by retention at {time.time():.0f}\n".encode())
+        remaining = self._sizes(path) if names is None else names
+        doomed = [f"{path}/{name}" for name in sorted(remaining) if name not in (MARKER, TOMBSTONE)]
         if doomed:
             self.fs.rm(doomed)
 
@@ -269,6 +264,55 @@ class CheckpointStore:
                 for e in entries if e.get("type") == "file" and not e["name"].endswith((MARKER, TOMBSTONE))}
 
 
+def prunable(folders: dict[int, bool], keep: int, keep_every: int | None = None) -> list[int]:
+    """The steps retention deletes, from the live step folders (step -> committed): every folder older than the
+    newest commit except the newest `keep` committed ones and the committed multiples of `keep_every`.
+    Folders newer than the newest commit are saves in flight; without any commit nothing is deleted."""
+    committed = sorted(step for step, is_committed in folders.items() if is_committed)
+    if not committed:
+        return []
+    kept = set(committed[-keep:])
+    if keep_every:
+        kept |= {step for step in committed if step % keep_every == 0}
+    return sorted(step for step in folders if step not in kept and step < committed[-1])
+
+
+class Retention:
+    """Pruning by the process that commits a run's checkpoints (rank 0), after each commit.
+
+    The run folder is listed once, on first use; from then on this process's own commits and failed saves
+    keep the view current (no one else writes the run's checkpoints meanwhile: one placement at a time). A
+    listing per save grew with the run's age, since every retired folder keeps its tombstone: with 3,000 of
+    them a listing took 1 s on the local endpoint, on every save."""
+
+    def __init__(self, store: CheckpointStore, keep: int, keep_every: int | None = None):
+        self.store, self.keep, self.keep_every = store, keep, keep_every
+        self._folders: dict[int, set[str]] | None = None  # live step folder -> its files (MARKER if committed)
+
+    def committed(self, step: int, files: dict[str, int] | None = None) -> list[int]:
+        """Record a commit (`files`: what it wrote, as in its manifest) and prune. Returns the deleted steps."""
+        folders = self._view()
+        folders[step] = set(files or {}) | {MARKER}
+        doomed = prunable({s: MARKER in names for s, names in folders.items()}, self.keep, self.keep_every)
+        for victim in doomed:
+            if MARKER in folders[victim]:
+                # Files unknown (a commit recorded without them): let retire() list the folder.
+                self.store.retire(victim, folders[victim] if len(folders[victim]) > 1 else None)
+            else:
+                self.store.delete(victim)
+            del folders[victim]  # only once deleted: a failure leaves it to the next commit's pruning
+        return doomed
+
+    def failed(self, step: int) -> None:
+        """Record a save that did not commit: its folder may hold some shards, deleted once a newer one commits."""
+        self._view().setdefault(step, set())
+
+    def _view(self) -> dict[int, set[str]]:
+        if self._folders is None:
+            self._folders = {step: names for step, names in self.store.scan().items() if TOMBSTONE not in names}
+        return self._folders
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Distributed save and load (torch.distributed.checkpoint)
 
@@ -281,6 +325,7 @@ class SaveResult:
     total_seconds: float
     attempts: int
     error: str | None = None
+    files: dict[str, int] = field(default_factory=dict)  # rank 0: the committed files and sizes (the manifest's)
 
 
 def _describe_failure(err: BaseException) -> str:
@@ -306,7 +351,8 @@ class ShardedCheckpointer:
 
     def __init__(self, store: CheckpointStore, rank: int, world_size: int, process_group=None,
                  retries: int = 3, backoff_seconds: float = 1.0,
-                 on_commit: Callable[[SaveResult], None] | None = None, io_threads: int = 8):
+                 on_commit: Callable[[SaveResult], None] | None = None, io_threads: int = 8,
+                 on_failure: Callable[[SaveResult], None] | None = None):
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -314,6 +360,7 @@ class ShardedCheckpointer:
         self.retries = retries
         self.backoff_seconds = backoff_seconds
         self.on_commit = on_commit
+        self.on_failure = on_failure  # after a save has failed for good (every retry spent), in its thread
         # Parallel uploads per rank: DCP splits the rank's share into this many files, written concurrently
         # (one multipart stream each); a single stream left object stores at a quarter of their bandwidth.
         self.io_threads = io_threads
@@ -391,10 +438,11 @@ class ShardedCheckpointer:
     def _write_and_commit(self, step: int, staged: dict, blocked: float, started: float) -> SaveResult:
         error = None
         for attempt in range(1, self.retries + 2):
-            ok, error = self._attempt(step, staged)
+            ok, error, files = self._attempt(step, staged)
             # Every rank must agree on the outcome, or one rank would retry a collective save alone.
             if self._all_ranks_agree(ok):
-                result = SaveResult(step, True, blocked + self._waited, time.perf_counter() - started, attempt)
+                result = SaveResult(step, True, blocked + self._waited, time.perf_counter() - started, attempt,
+                                    files=files)
                 self.results.append(result)
                 if self.on_commit:
                     self.on_commit(result)
@@ -406,9 +454,11 @@ class ShardedCheckpointer:
         result = SaveResult(step, False, blocked + self._waited, time.perf_counter() - started,
                             self.retries + 1, error)
         self.results.append(result)
+        if self.on_failure:
+            self.on_failure(result)
         return result
 
-    def _attempt(self, step: int, staged: dict) -> tuple[bool, str | None]:
+    def _attempt(self, step: int, staged: dict) -> tuple[bool, str | None, dict[str, int]]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -421,14 +471,15 @@ class ShardedCheckpointer:
             dcp.save(staged, storage_writer=writer, process_group=self.group)
             # dcp.save returns on rank 0 only after gathering every rank's write results and writing
             # .metadata, so every shard is durable here: commit.
+            files: dict[str, int] = {}
             if self.rank == 0:
                 self.fault_hook(step, "commit")
-                self.store.commit(step, self.world_size, extra={"reason": self._reason},
-                                  files=getattr(writer, "file_sizes", None))
-            return True, None
+                files = self.store.commit(step, self.world_size, extra={"reason": self._reason},
+                                          files=getattr(writer, "file_sizes", None)).files
+            return True, None, files
         # DCP raises CheckpointException (a BaseException) alike on every rank; storage errors vary by backend.
         except (Exception, CheckpointException) as err:
-            return False, _describe_failure(err)
+            return False, _describe_failure(err), {}
 
     def threads_for(self, state: dict) -> int:
         """Files (and parallel uploads) for this rank: one per ~16 MB of its share, up to io_threads. Small

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from elastic.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.chaos import Chaos
-from elastic.checkpoint import CheckpointStore, SaveResult, ShardedCheckpointer
+from elastic.checkpoint import CheckpointStore, Retention, SaveResult, ShardedCheckpointer
 from elastic.jit import JustInTime, NoJustInTime
 from elastic.labels import MARKET_LABEL
 from elastic.placement import PlacementEnded, placement_watch
@@ -106,7 +106,8 @@ class Session:
         # Background saves run their collectives on a group of their own, apart from DDP's all-reduces.
         self._checkpoint_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.checkpointer = ShardedCheckpointer(self.store, self.rank, self.world_size, self._checkpoint_group,
-                                                on_commit=self._on_commit)
+                                                on_commit=self._on_commit, on_failure=self._on_failed_save)
+        self._retention = Retention(self.store, spec.checkpoint.keep, spec.checkpoint.keep_every)
         self._cadence = CheckpointCadence(spec.checkpoint)
         self._chaos = Chaos(self.store, self.rank)
         self.checkpointer.fault_hook = self._chaos.maybe_kill_in_save
@@ -464,9 +465,13 @@ class Session:
                 self._unreported.pop(result.step, None)
             self._skipped = result
         if self.is_chief:
-            pruned = self.store.retain(self.spec.checkpoint.keep, self.spec.checkpoint.keep_every)
+            pruned = self._retention.committed(result.step, result.files)
             if pruned:
                 self.log(f"retention: pruned checkpoints at steps {', '.join(map(str, pruned))}")
+
+    def _on_failed_save(self, result: SaveResult) -> None:
+        if self.is_chief:
+            self._retention.failed(result.step)  # its torn folder goes once a newer save commits
 
     def _reporter_free(self) -> bool:
         free = torch.tensor([0 if self._reports.unfinished_tasks else 1])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.checkpoint import DCP_METADATA, MARKER, TOMBSTONE, CheckpointStore
+from elastic.checkpoint import DCP_METADATA, MARKER, TOMBSTONE, CheckpointStore, Retention, prunable
 
 # the single-process DCP save of the fixture below warns that no process group is initialized: intended
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -195,6 +195,79 @@ def test_retain_keep_every_keeps_multiples(store, run):
 def test_retain_keep_every_does_not_keep_uncommitted_multiples(store, run):
     make_checkpoints(store, run, committed=[10, 30], uncommitted=[20])
     assert sorted(store.retain(keep=1, keep_every=20)) == [10, 20]
+    assert steps_on_disk(run) == [30]
+
+
+def test_prunable_is_the_rule_retain_applies():
+    folders = {10: True, 20: False, 30: True, 40: True, 45: False, 50: True, 60: False}
+    assert prunable(folders, keep=2) == [10, 20, 30, 45]
+    assert prunable(folders, keep=1, keep_every=20) == [10, 20, 30, 45]  # 40: a multiple of 20
+    assert prunable({10: False, 20: False}, keep=1) == []
+    assert prunable({}, keep=3) == []
+
+
+def _commit(store: CheckpointStore, run: Path, step: int) -> dict[str, int]:
+    """A save's commit as the checkpointer makes it: the writer tells the marker its files (no listing)."""
+    make_folder(run, step)
+    files = {**{name: len(data) for name, data in SHARDS.items()}, DCP_METADATA: len(METADATA)}
+    return store.commit(step, world_size=2, files=files).files
+
+
+def forbid_listing(store: CheckpointStore, monkeypatch) -> None:
+    def listing(*args, **kwargs):
+        raise AssertionError("retention listed the run folder after its first use")
+    for name in ("find", "ls", "glob", "walk"):
+        monkeypatch.setattr(store.fs, name, listing)
+
+
+def test_retention_lists_once_then_prunes_from_what_it_committed(store, run, monkeypatch):
+    # a previous placement's checkpoints (and one of its failed saves) are found by the one listing
+    make_checkpoints(store, run, committed=[10, 20], uncommitted=[15])
+    retention = Retention(store, keep=2)
+    assert retention.committed(30, _commit(store, run, 30)) == [10, 15]
+    forbid_listing(store, monkeypatch)
+    assert retention.committed(40, _commit(store, run, 40)) == [20]
+    assert retention.committed(50, _commit(store, run, 50)) == [30]
+    assert steps_on_disk(run) == [40, 50]
+    # retired folders keep only their tombstone, as with retain()
+    assert sorted(p.name for p in step_dir(run, 30).iterdir()) == [TOMBSTONE]
+    monkeypatch.undo()
+    assert [i.step for i in store.list()] == [40, 50] and store.latest_committed().step == 50
+
+
+def test_retention_deletes_a_failed_save_once_a_newer_one_commits(store, run, monkeypatch):
+    retention = Retention(store, keep=1)
+    assert retention.committed(10, _commit(store, run, 10)) == []
+    forbid_listing(store, monkeypatch)
+    make_folder(run, 20, metadata=False, shards={"__0_0.distcp": b"torn"})  # a save whose upload failed
+    retention.failed(20)
+    assert steps_on_disk(run) == [10, 20]
+    assert retention.committed(30, _commit(store, run, 30)) == [10, 20]
+    assert steps_on_disk(run) == [30]
+
+
+def test_retention_keeps_every_mth_and_agrees_with_retain(tmp_path):
+    runs = {name: tmp_path / name for name in ("incremental", "listing")}
+    stores = {name: CheckpointStore(str(folder)) for name, folder in runs.items()}
+    for folder in runs.values():
+        folder.mkdir()
+    retention = Retention(stores["incremental"], keep=2, keep_every=30)
+    for step in range(10, 110, 10):
+        pruned = retention.committed(step, _commit(stores["incremental"], runs["incremental"], step))
+        _commit(stores["listing"], runs["listing"], step)
+        assert pruned == stores["listing"].retain(keep=2, keep_every=30)
+    assert steps_on_disk(runs["incremental"]) == steps_on_disk(runs["listing"]) == [30, 60, 90, 100]
+
+
+def test_retention_retries_a_prune_that_failed(store, run, monkeypatch):
+    retention = Retention(store, keep=1)
+    retention.committed(10, _commit(store, run, 10))
+    real_rm = store.fs.rm
+    monkeypatch.setattr(store.fs, "rm", lambda *a, **k: (_ for _ in ()).throw(OSError("endpoint unavailable")))
+    with pytest.raises(OSError):
+        retention.committed(20, _commit(store, run, 20))
+    monkeypatch.setattr(store.fs, "rm", real_rm)
+    assert retention.committed(30, _commit(store, run, 30)) == [10, 20]
     assert steps_on_disk(run) == [30]
 
 
