@@ -83,7 +83,7 @@ class CheckpointStore:
     # -- reading
     def list(self) -> list[CheckpointInfo]:
         """Every step folder that is not retired, oldest first, committed or not."""
-        return [self.info(step) for step, names in sorted(self.scan().items()) if TOMBSTONE not in names]
+        return [self.info(step) for step in sorted(self.live_folders())]
 
     def scan(self) -> dict[int, set[str]]:
         """Step -> the names of the files in its folder, from one recursive listing (retention runs after
@@ -105,6 +105,10 @@ class CheckpointStore:
                 folders.setdefault(int(match.group(1)), set()).add(name)
         return folders
 
+    def live_folders(self) -> dict[int, set[str]]:
+        """Step -> the names of its files, for every step folder not retired, from one listing."""
+        return {step: names for step, names in self.scan().items() if TOMBSTONE not in names}
+
     def info(self, step: int) -> CheckpointInfo:
         path = self.path(step)
         manifest = self._read_marker(step)
@@ -119,7 +123,7 @@ class CheckpointStore:
                               reason=manifest.get("reason"))
 
     def latest_committed(self) -> CheckpointInfo | None:
-        committed = [step for step, names in self.scan().items() if MARKER in names and TOMBSTONE not in names]
+        committed = [step for step, names in self.live_folders().items() if MARKER in names]
         return self.info(max(committed)) if committed else None
 
     def manifest(self, step: int) -> dict | None:
@@ -145,13 +149,19 @@ class CheckpointStore:
         """Delete all but the newest `keep` committed checkpoints (and every `keep_every`-th step), and any
         uncommitted folder older than the newest committed one. Returns the deleted steps. Lists the run
         folder: the process that commits the checkpoints prunes through `Retention`, which does not."""
-        folders = {step: names for step, names in self.scan().items() if TOMBSTONE not in names}
+        return self.prune(self.live_folders(), keep, keep_every)
+
+    def prune(self, folders: dict[int, set[str]], keep: int, keep_every: int | None = None) -> list[int]:
+        """Retention over `folders` (step -> its file names, the marker among them if committed): retire or
+        delete what `prunable` picks, dropping each from `folders` once it is gone. Returns the deleted steps."""
         doomed = prunable({step: MARKER in names for step, names in folders.items()}, keep, keep_every)
         for step in doomed:
-            if MARKER in folders[step]:
-                self.retire(step, folders[step])
+            names = folders[step]
+            if MARKER in names:
+                self.retire(step, names if len(names) > 1 else None)  # only the marker known: retire() lists
             else:
                 self.delete(step)
+            del folders[step]  # only once deleted: a failure leaves it to the next pruning
         return doomed
 
     def remove_torn(self) -> list[int]:
@@ -176,7 +186,8 @@ class CheckpointStore:
             self.fs.rm(f"{path}/{MARKER}")
         except FileNotFoundError:
             pass
-        self.fs.pipe_file(f"{path}/{TOMBSTONE}", f"step {step} pruned by retention at {time.time():.0f}\n".encode())
+        tombstone = f"step {step} pruned by retention at {time.time():.0f}\n"
+        self.fs.pipe_file(f"{path}/{TOMBSTONE}", tombstone.encode())
         remaining = self._sizes(path) if names is None else names
         doomed = [f"{path}/{name}" for name in sorted(remaining) if name not in (MARKER, TOMBSTONE)]
         if doomed:
@@ -293,15 +304,7 @@ class Retention:
         """Record a commit (`files`: what it wrote, as in its manifest) and prune. Returns the deleted steps."""
         folders = self._view()
         folders[step] = set(files or {}) | {MARKER}
-        doomed = prunable({s: MARKER in names for s, names in folders.items()}, self.keep, self.keep_every)
-        for victim in doomed:
-            if MARKER in folders[victim]:
-                # Files unknown (a commit recorded without them): let retire() list the folder.
-                self.store.retire(victim, folders[victim] if len(folders[victim]) > 1 else None)
-            else:
-                self.store.delete(victim)
-            del folders[victim]  # only once deleted: a failure leaves it to the next commit's pruning
-        return doomed
+        return self.store.prune(folders, self.keep, self.keep_every)
 
     def failed(self, step: int) -> None:
         """Record a save that did not commit: its folder may hold some shards, deleted once a newer one commits."""
@@ -309,7 +312,7 @@ class Retention:
 
     def _view(self) -> dict[int, set[str]]:
         if self._folders is None:
-            self._folders = {step: names for step, names in self.store.scan().items() if TOMBSTONE not in names}
+            self._folders = self.store.live_folders()
         return self._folders
 
 
