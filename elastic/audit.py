@@ -14,6 +14,7 @@ after r, and its own records follow. What remains is exactly the training the fi
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections import Counter, defaultdict
@@ -110,6 +111,7 @@ class History:
     steps: dict[int, StepRecord] = field(default_factory=dict)
     attempts: list[str] = field(default_factory=list)
     num_samples: int | None = None
+    resumed_from: dict[str, int] = field(default_factory=dict)  # attempt -> the checkpoint step it resumed from
 
     @property
     def final_step(self) -> int:
@@ -157,6 +159,7 @@ def read_history(fs, run_root: str) -> History:
         for step in [s for s in history.steps if s > resumed_from]:
             del history.steps[step]
         history.attempts.append(attempt)
+        history.resumed_from[attempt] = resumed_from
         for part in parts:
             history.num_samples = part.get("num_samples") or history.num_samples
             for record in part["records"]:
@@ -167,6 +170,41 @@ def read_history(fs, run_root: str) -> History:
                 entry.batches[part["rank"]] = [(e, list(ix)) for e, ix in record["batches"]]
                 entry.loss[part["rank"]] = record["loss"]
     return history
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first step whose loss differs between two runs of the same job at the same worker count."""
+
+    step: int
+    baseline: dict[int, float | None]  # rank -> loss
+    other: dict[int, float | None]
+    resumed_from: int  # the checkpoint the other run's attempt that ran this step had resumed from (0: none)
+
+    def __str__(self) -> str:
+        since = f"resumed from the checkpoint of step {self.resumed_from}" if self.resumed_from else "no resume before it"
+        ranks = ", ".join(f"rank {r}: {self.other.get(r)!r} against {self.baseline.get(r)!r}"
+                          for r in sorted(set(self.baseline) | set(self.other))
+                          if self.other.get(r) != self.baseline.get(r))
+        return f"step {self.step} ({since}; {ranks})"
+
+
+def first_divergence(baseline: History, other: History) -> Divergence | None:
+    """The first step both runs took whose per-rank losses are not bit-equal, or None. A step one of them lacks
+    is not compared (the exactly-once check reports missing steps)."""
+    for step in sorted(set(baseline.steps) & set(other.steps)):
+        mine, theirs = baseline.steps[step], other.steps[step]
+        if not _same_losses(mine.loss, theirs.loss):
+            return Divergence(step, dict(mine.loss), dict(theirs.loss), other.resumed_from.get(theirs.attempt, 0))
+    return None
+
+
+def _same_losses(a: dict[int, float | None], b: dict[int, float | None]) -> bool:
+    """Bit-equal per rank; a NaN equals a NaN (a step skipped for a non-finite loss in both runs)."""
+    def same(x: float | None, y: float | None) -> bool:
+        return x == y or (x is not None and y is not None and math.isnan(x) and math.isnan(y))
+
+    return a.keys() == b.keys() and all(same(a[rank], b[rank]) for rank in a)
 
 
 @dataclass(frozen=True)

@@ -333,12 +333,14 @@ def checkpoints_verify(run: str, step: int | None, root: str | None) -> None:
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--kills", default=3, show_default=True, type=click.IntRange(0),
               help="Worker kills to inject; every other one lands inside a checkpoint save.")
+@click.option("--notices", default=0, show_default=True, type=click.IntRange(0),
+              help="Spot reclaim notices to inject: each ends a placement at a just-in-time checkpoint.")
 @click.option("--workers", "workers_text", help="Worker count, or counts the interrupted run moves through, "
               "e.g. 2 or 2,1,2 (default: the job's workers.min).")
 @click.option("--address", help="Ray job API (default: the local stack).")
 @click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE", help="Override a spec field.")
 @click.option("--json", "as_json", is_flag=True)
-def verify_resume_cmd(job_file: Path, kills: int, workers_text: str | None, address: str | None,
+def verify_resume_cmd(job_file: Path, kills: int, notices: int, workers_text: str | None, address: str | None,
                       overrides: tuple[str, ...], as_json: bool) -> None:
     """Run a job uninterrupted and again with worker kills, and prove the resumed run is equivalent.
 
@@ -349,6 +351,7 @@ def verify_resume_cmd(job_file: Path, kills: int, workers_text: str | None, addr
     Example:
       elastic verify-resume jobs/digits_ddp.yaml --kills 3 --json
       elastic verify-resume jobs/digits_ddp.yaml --kills 3 --workers 2,1,2
+      elastic verify-resume jobs/charlm.yaml --kills 2 --notices 1
     """
     from elastic import submit, verify
     from elastic.spec import load_job_spec
@@ -363,7 +366,7 @@ def verify_resume_cmd(job_file: Path, kills: int, workers_text: str | None, addr
         verifier = verify.Verifier(spec, target, Path.cwd(), log, progress=lambda m: click.echo(m, err=True),
                                    stamp=stamp)
         click.echo(f"verify-resume: job logs in {log_path}", err=True)
-        report = verifier.run(kills, workers)
+        report = verifier.run(kills, workers, notices)
     if as_json:
         _print_json(report.to_json())
     else:
@@ -398,6 +401,8 @@ def _show_verify(report) -> None:
                   str(report.interrupted.samples_exactly_once))
     table.add_row("seconds", str(report.baseline.seconds), str(report.interrupted.seconds))
     console.print(table)
+    if report.notices:
+        console.print(f"reclaim notices: {report.notices_fired}/{report.notices} fired")
     console.print(f"kills: {report.kills_fired}/{report.kills} fired ({', '.join(report.interrupted.kill_plan)}); "
                   f"identical: {report.identical}; max |diff|: {report.max_abs_diff:.3g} over "
                   f"{report.tensors_compared} tensors; loss gap {report.max_epoch_loss_diff:.3g} "

@@ -10,6 +10,13 @@ possible (sizes differ by at most one, so a rank may get an empty batch) instead
 
 `ResumableLoader` counts a step when it hands the batch to the caller, never when DataLoader workers
 prefetch it, so its `state_dict()` always matches what training has actually received.
+
+Randomness stays exact across a resume. Creating an iterator never draws from the global torch generator
+(PyTorch's DataLoader draws its workers' base seed from it; ours comes from the loader's own generator, seeded
+by the position). In DataLoader worker processes (num_workers > 0), python's, numpy's and torch's generators
+are seeded from (seed, epoch, sample index) before each sample is fetched, so a random augmentation of sample
+i in epoch e is the same in an uninterrupted run, after any resume, at any worker count and any num_workers.
+With num_workers=0 the dataset draws from the training process's own streams, which the session checkpoints.
 `ParquetDataset` is a map-style dataset over Parquet shards at any fsspec URI (local, file://, s3://).
 """
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import os
+import random
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from elastic.storage import fsspec_filesystem
 
-__all__ = ["ParquetDataset", "ResumableLoader", "ResumableSampler", "epoch_order"]
+__all__ = ["ParquetDataset", "ResumableLoader", "ResumableSampler", "epoch_order", "sample_seed", "seed_sample"]
 
 _STATE_KEYS = ("epoch", "consumed", "seed", "num_samples", "shuffle")
 
@@ -42,10 +50,28 @@ _STATE_KEYS = ("epoch", "consumed", "seed", "num_samples", "shuffle")
 # The global order and how one step of it is split across ranks (pure functions)
 
 
+def _stable_seed(purpose: str, *parts: int) -> int:
+    # A stable hash (not Python's hash()) so every process, host and Python version agrees on it.
+    text = f"elastic.{purpose}:" + ":".join(map(str, parts))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
 def _epoch_seed(seed: int, epoch: int) -> int:
-    # A stable hash (not Python's hash()) so every process, host and Python version agrees on the order.
-    digest = hashlib.blake2b(f"elastic.data:{seed}:{epoch}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+    return _stable_seed("data", seed, epoch)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample `index`'s random draws (augmentation) in `epoch`: the same in every process and run."""
+    return _stable_seed("sample", seed, epoch, index)
+
+
+def seed_sample(seed: int, epoch: int, index: int) -> None:
+    """Seed python's, numpy's and torch's (CPU) global generators for one sample's draws."""
+    value = sample_seed(seed, epoch, index)
+    random.seed(value)
+    np.random.seed(value & 0xFFFFFFFF)
+    # Not torch.manual_seed: that also seeds every CUDA device (and costs ~100 us); workers draw on the CPU.
+    torch.default_generator.manual_seed(value)
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
@@ -74,6 +100,10 @@ def _step_span(
     base, extra = divmod(left, world)
     start = consumed + rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0), left
+
+
+def _position_seed(seed: int, epoch: int, consumed: int) -> int:
+    return _stable_seed("loader", seed, epoch, consumed)
 
 
 def _steps_left(consumed: int, total: int, world: int, batch: int, drop_last: bool) -> int:
@@ -238,14 +268,20 @@ class ResumableSampler(Sampler[list[int]]):
 # Loader
 
 
-class _PendingBatches(Sampler[list[int]]):
-    """What the DataLoader iterates: the sampler's pending batches, read-only (prefetching moves nothing)."""
+class _PendingBatches(Sampler[list]):
+    """What the DataLoader iterates: the sampler's pending batches, read-only (prefetching moves nothing).
 
-    def __init__(self, sampler: ResumableSampler) -> None:
+    With `keyed`, each index comes as (epoch, index), for `_SeededSamples` in the DataLoader's workers."""
+
+    def __init__(self, sampler: ResumableSampler, keyed: bool = False) -> None:
         self.sampler = sampler
+        self.keyed = keyed
 
-    def __iter__(self) -> Iterator[list[int]]:
-        return self.sampler.pending()
+    def __iter__(self) -> Iterator[list]:
+        if not self.keyed:
+            return self.sampler.pending()
+        epoch = self.sampler.epoch
+        return ([(epoch, index) for index in batch] for batch in self.sampler.pending())
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -263,6 +299,24 @@ def _empty_like(batch: Any) -> Any:
             return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
         return type(batch)()  # a batch of plain values (e.g. strings): its empty version
     return batch
+
+
+class _SeededSamples(Dataset):
+    """The dataset as DataLoader workers fetch it: (epoch, index) -> dataset[index], drawn after seeding the
+    worker's generators from (seed, epoch, index). A worker's own stream (seeded once per iterator by PyTorch)
+    would depend on which worker got which batch, and that changes when a run resumes mid-epoch."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        seed_sample(self.seed, epoch, index)
+        return self.dataset[index]
 
 
 class _Collate:
@@ -308,14 +362,20 @@ class ResumableLoader:
         if dataloader_kwargs.get("in_order", True) is not True:
             # Out-of-order delivery would make "k batches received" differ from "the first k steps".
             raise ValueError("ResumableLoader needs in_order=True")
+        if "generator" in dataloader_kwargs:
+            raise ValueError("ResumableLoader owns its generator (seeded by its position); drop generator=")
         self.dataset = dataset
         self.sampler = sampler
         self._observer = observer  # told (epoch, indices) of every batch handed out: the audit ledger
+        # Seeded from the position before each iterator is made: creating one never touches the global stream.
+        self._generator = torch.Generator()
+        workers = num_workers > 0
         self._dataloader = DataLoader(
-            dataset,
-            batch_sampler=_PendingBatches(sampler),
+            _SeededSamples(dataset, sampler.seed) if workers else dataset,
+            batch_sampler=_PendingBatches(sampler, keyed=workers),
             num_workers=num_workers,
             collate_fn=_Collate(dataset, collate_fn or default_collate),
+            generator=self._generator,
             **dataloader_kwargs,
         )
 
@@ -343,6 +403,7 @@ class ResumableLoader:
             self.sampler.finish_epoch()
             return
         # The DataLoader snapshots the position here and may prefetch far ahead; we count on delivery.
+        self._generator.manual_seed(_position_seed(self.sampler.seed, *position))
         for batch in self._dataloader:
             if self._observer is not None:
                 self._observer(position[0], self.sampler.batch_at(position))

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from elastic.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.chaos import Chaos
 from elastic.checkpoint import CheckpointStore, Retention, SaveResult, ShardedCheckpointer
-from elastic.jit import JustInTime, NoJustInTime
+from elastic.jit import JustInTime, NoJustInTime, read_ray_notice
 from elastic.labels import MARKET_LABEL
 from elastic.placement import PlacementEnded, placement_watch
 from elastic.spec import CheckpointSpec, JobSpec
@@ -72,9 +72,12 @@ class CheckpointCadence:
 
 
 def capture_rng() -> dict:
+    """This process's random streams: python, numpy, torch CPU and (if in use) this rank's CUDA device."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # The current device's stream only: a rank drives one GPU, and a resumed rank may sit on a node with
+        # another number of them (get/set_rng_state_all would not fit).
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -83,7 +86,10 @@ def restore_rng(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, (list, tuple)):  # written by an earlier version: every device's state
+            cuda = cuda[torch.cuda.current_device() % len(cuda)]
+        torch.cuda.set_rng_state(cuda)
 
 
 class Session:
@@ -407,7 +413,8 @@ class Session:
             return NoJustInTime()
         group = dist.new_group(backend="gloo") if dist.is_initialized() else None  # its own: never races saves
         return JustInTime(self.rank, group, spec.checkpoint.jit_margin_seconds, self.log,
-                          in_flight=lambda: self.checkpointer.in_flight, on_notice=self._announce_end)
+                          in_flight=lambda: self.checkpointer.in_flight, on_notice=self._announce_end,
+                          read_notice=self._chaos.notice_source(read_ray_notice))
 
     def _announce_end(self, notice, eta: float | None) -> None:
         """Rank 0, at a reclaim notice: tell the driver when this placement should end (in the background: a

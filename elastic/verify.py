@@ -2,13 +2,16 @@
 
 The job runs twice with a sample ledger on (elastic.audit): once uninterrupted, once with K injected worker
 kills, some of them inside a checkpoint save (the checkpoint is torn; the restart must fall back to the one
-before). With `--workers 2,1,2` the interrupted run also changes its worker count: a kill that exhausts the
+before), and N reclaim notices (`--notices`: the run ends its placement at a just-in-time checkpoint and the
+driver resumes it from there). With `--workers 2,1,2` the interrupted run also changes its worker count: a kill that exhausts the
 failure budget ends a segment, and the run is resubmitted at the next count, resuming resharded.
 
 It then compares: at a fixed worker count the final model and optimizer must be bit-identical to the
 uninterrupted run's; at any worker counts every sample of every epoch must have been trained on exactly
 once, and across a worker-count change the per-epoch loss must stay within a stated tolerance of the
 uninterrupted run's (the global batch changes with the worker count, so the trajectories legitimately differ).
+At a fixed worker count the report also names the first step whose loss left the baseline's, and the checkpoint
+the run had resumed from before it: where to look for state that a checkpoint does not carry.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
-from elastic.audit import AUDIT_VARIABLE, History, check_exactly_once, read_history
+from elastic.audit import AUDIT_VARIABLE, Divergence, History, check_exactly_once, first_divergence, read_history
 from elastic.chaos import KILL_AT_VARIABLE, Kill, format_plan
 from elastic.checkpoint import CheckpointStore
 from elastic.errors import SpecError, UserError
@@ -41,23 +44,37 @@ LOSS_ABS_TOLERANCE = 0.05
 
 @dataclass(frozen=True)
 class KillPoint:
-    """A kill placed at a fraction of the run's samples; `ends_segment` kills switch the worker count."""
+    """A fault placed at a fraction of the run's samples: a kill (`ends_segment` kills switch the worker count)
+    or a reclaim notice."""
 
     index: int
     fraction: float
     during_save: bool
     ends_segment: bool
+    notice: bool = False
 
 
-def kill_points(kills: int, segments: int) -> list[KillPoint]:
-    """K kills spread evenly over the run; every other one inside a checkpoint save; `segments - 1` of them
-    (spread evenly too) end a segment so the next one starts at another worker count."""
+def kill_points(kills: int, segments: int, notices: int = 0) -> list[KillPoint]:
+    """K kills and N notices spread evenly over the run, in that order (each notice lands between two kills
+    when there are enough of them); every other kill inside a checkpoint save; `segments - 1` kills (spread
+    evenly too) end a segment so the next one starts at another worker count."""
     if kills < segments - 1:
         raise UserError(f"--kills {kills} is too few for {segments} worker counts; "
                         f"use --kills {segments - 1} or more (each change of worker count is a kill)")
     ends = {round((j + 1) * kills / segments) - 1 for j in range(segments - 1)}
-    return [KillPoint(i, (i + 1) / (kills + 1), during_save=i % 2 == 1, ends_segment=i in ends)
-            for i in range(kills)]
+    total = kills + notices
+    # Notices take evenly spaced slots among all the points; kills fill the rest in order.
+    notice_slots = {round((j + 1) * total / (notices + 1)) - 1 for j in range(notices)} if notices else set()
+    points, kill_index = [], 0
+    for slot in range(total):
+        fraction = (slot + 1) / (total + 1)
+        if slot in notice_slots:
+            points.append(KillPoint(slot, fraction, during_save=False, ends_segment=False, notice=True))
+        else:
+            points.append(KillPoint(slot, fraction, during_save=kill_index % 2 == 1,
+                                    ends_segment=kill_index in ends))
+            kill_index += 1
+    return points
 
 
 def kill_step(point: KillPoint, resumed_step: int, consumed: float, total: float, per_step: float,
@@ -95,6 +112,8 @@ class VerifyReport:
     samples_exactly_once: bool
     kills: int
     kills_fired: int
+    notices: int
+    notices_fired: int
     workers: list[int]
     loss_within_tolerance: bool
     loss_tolerance: str
@@ -106,6 +125,8 @@ class VerifyReport:
     log: str = ""
     tensors_compared: int = 0
     criteria: str = field(default="")
+    # At a fixed worker count: the first step whose loss differs from the baseline's (None: none does).
+    first_loss_divergence: Divergence | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -130,8 +151,8 @@ class Verifier:
         self.progress = progress
         self.stamp = stamp or time.strftime("%m%d%H%M%S")
 
-    def run(self, kills: int, workers: list[int]) -> VerifyReport:
-        points = kill_points(kills, len(workers))
+    def run(self, kills: int, workers: list[int], notices: int = 0) -> VerifyReport:
+        points = kill_points(kills, len(workers), notices)
         base_suffix, kill_suffix = f"verify-{self.stamp}-base", f"verify-{self.stamp}-kills"
         baseline = self._segment(base_suffix, workers[0], [], max_failures=0)
         base_history = self._history(baseline.run)
@@ -151,19 +172,21 @@ class Verifier:
             resumed = self._latest_step(kill_suffix)
             consumed = _samples(self._history(self.spec.run_name(kill_suffix)), resumed) if resumed else 0
             plan = [Kill(kill_step(p, resumed, consumed, total, per_rank_step * count, self.spec.checkpoint.every_steps),
-                         p.index % count, p.during_save) for p in mine]
+                         0 if p.notice else p.index % count, p.during_save, p.notice) for p in mine]
             expected_end = resumed + math.ceil((total - consumed) / (per_rank_step * count))
             _check_plan(plan, resumed, expected_end)
             plan_text += [str(k) for k in plan]
             last = index == len(workers) - 1
-            # A segment that must end at its last kill gets one failure fewer than it has kills.
-            budget = len(plan) if last else len(plan) - 1
+            # A segment that must end at its last kill gets one failure fewer than it has kills (notices are
+            # preemptions, not failures).
+            killing = sum(1 for k in plan if not k.notice)
+            budget = killing if last else killing - 1
             interrupted = self._segment(kill_suffix, count, plan, max_failures=budget, expect_failure=not last)
         assert interrupted is not None
         interrupted.seconds = round(time.monotonic() - started, 1)
         interrupted.kill_plan = plan_text
         interrupted.workers = list(workers)
-        return self._compare(baseline, interrupted, kills, workers)
+        return self._compare(baseline, interrupted, kills, notices, workers)
 
     # -- one submission
     def _segment(self, suffix: str, workers: int, plan: list[Kill], max_failures: int,
@@ -211,13 +234,15 @@ class Verifier:
         latest = self._store(self.spec.run_name(suffix)).latest_committed()
         return latest.step if latest else 0
 
-    def _kills_fired(self, run_name: str) -> int:
+    def _fired(self, run_name: str, kind: str) -> int:
+        """Faults of `kind` (kill, notice) that fired: each left a marker in the run folder."""
         store = self._store(run_name)
         store.fs.invalidate_cache(f"{store.root}/chaos")
-        return len(store.fs.glob(f"{store.root}/chaos/kill-*"))
+        return len(store.fs.glob(f"{store.root}/chaos/{kind}-*"))
 
     # -- comparison
-    def _compare(self, baseline: RunReport, interrupted: RunReport, kills: int, workers: list[int]) -> VerifyReport:
+    def _compare(self, baseline: RunReport, interrupted: RunReport, kills: int, notices: int,
+                 workers: list[int]) -> VerifyReport:
         import torch
 
         base_store, kill_store = self._store(baseline.run), self._store(interrupted.run)
@@ -230,14 +255,20 @@ class Verifier:
             all(torch.equal(a[k], b[k]) for k in common)
         diffs = [(a[k].double() - b[k].double()).abs().max().item() for k in common if a[k].numel()]
         max_abs_diff = max(diffs, default=float("inf"))
-        fired = self._kills_fired(interrupted.run)
+        fired = self._fired(interrupted.run, "kill")
         if fired != kills:
             problems.append(f"{fired} of {kills} planned kills fired")
+        notices_fired = self._fired(interrupted.run, "notice")
+        if notices_fired != notices:
+            problems.append(f"{notices_fired} of {notices} planned reclaim notices fired")
         fixed = len(set(workers)) == 1
+        divergence = first_divergence(self._history(baseline.run), self._history(interrupted.run)) if fixed else None
         if fixed and not identical:
             changed = [k for k in common if not torch.equal(a[k], b[k])]
             problems.append(f"final state differs from the uninterrupted run's in {len(changed) or 'all'} "
                             f"tensors (e.g. {', '.join(changed[:3])}), max |diff| {max_abs_diff:.3g}")
+        if divergence is not None:
+            problems.append(f"the loss first left the baseline's at {divergence}")
         diff, within = _loss_gap(baseline.epoch_losses, interrupted.epoch_losses)
         if not fixed and not within:
             problems.append(f"per-epoch loss moved by up to {diff:.3g}, beyond the tolerance")
@@ -246,11 +277,11 @@ class Verifier:
         exactly_once = baseline.samples_exactly_once and interrupted.samples_exactly_once
         return VerifyReport(
             identical=identical, max_abs_diff=max_abs_diff, samples_exactly_once=exactly_once, kills=kills,
-            kills_fired=fired, workers=list(workers), loss_within_tolerance=within,
+            kills_fired=fired, notices=notices, notices_fired=notices_fired, workers=list(workers), loss_within_tolerance=within,
             loss_tolerance=f"|loss - baseline| <= {LOSS_REL_TOLERANCE} * |baseline| + {LOSS_ABS_TOLERANCE} "
                            "per epoch",
             max_epoch_loss_diff=diff, passed=not problems, problems=problems, baseline=baseline,
-            interrupted=interrupted, log=self.log.name, tensors_compared=len(common),
+            interrupted=interrupted, log=self.log.name, tensors_compared=len(common), first_loss_divergence=divergence,
             criteria=("bit-identical final model and optimizer, every sample once per epoch" if fixed else
                       "every sample once per epoch, per-epoch loss within tolerance"),
         )
