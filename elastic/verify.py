@@ -28,7 +28,7 @@ from elastic.chaos import KILL_AT_VARIABLE, Kill, format_plan
 from elastic.checkpoint import CheckpointStore
 from elastic.errors import SpecError, UserError
 from elastic.spec import JobSpec
-from elastic.trainer import run_directory
+from elastic.trainer import read_summary, run_directory
 
 # Across a worker-count change: |loss - baseline| <= REL * |baseline| + ABS for every epoch's mean loss. Loose
 # on purpose: fewer workers take more (smaller) optimizer steps per epoch and legitimately learn faster per
@@ -103,6 +103,7 @@ class RunReport:
     samples_exactly_once: bool
     problems: list[str]
     seconds: float
+    just_in_time_ends: int = 0  # placements that ended at a just-in-time checkpoint (the run summary says)
 
 
 @dataclass
@@ -163,6 +164,7 @@ class Verifier:
         plan_text: list[str] = []
         started = time.monotonic()
         remaining = list(points)
+        just_in_time_ends = 0
         for index, count in enumerate(workers):
             mine = []
             while remaining:
@@ -182,7 +184,9 @@ class Verifier:
             killing = sum(1 for k in plan if not k.notice)
             budget = killing if last else killing - 1
             interrupted = self._segment(kill_suffix, count, plan, max_failures=budget, expect_failure=not last)
+            just_in_time_ends += interrupted.just_in_time_ends  # each segment's summary covers that segment
         assert interrupted is not None
+        interrupted.just_in_time_ends = just_in_time_ends
         interrupted.seconds = round(time.monotonic() - started, 1)
         interrupted.kill_plan = plan_text
         interrupted.workers = list(workers)
@@ -217,10 +221,12 @@ class Verifier:
         self.progress(f"run {spec.run_name(suffix)}: {status.lower()} after {seconds} s")
         history = self._history(spec.run_name(suffix))
         check = check_exactly_once(history)
+        summary = read_summary(spec, spec.run_name(suffix)) or {}
+        ends = sum(1 for p in summary.get("placements", []) if p.get("ended_by") == "preemption")
         return RunReport(run=spec.run_name(suffix), status=status, final_step=history.final_step,
                          workers=[workers], restarts=max(0, len(history.attempts) - 1), kill_plan=[],
                          epoch_losses=history.epoch_losses(), samples_exactly_once=check.ok,
-                         problems=check.problems, seconds=seconds)
+                         problems=check.problems, seconds=seconds, just_in_time_ends=ends)
 
     # -- storage
     def _store(self, run_name: str) -> CheckpointStore:
@@ -261,6 +267,9 @@ class Verifier:
         notices_fired = self._fired(interrupted.run, "notice")
         if notices_fired != notices:
             problems.append(f"{notices_fired} of {notices} planned reclaim notices fired")
+        elif interrupted.just_in_time_ends < notices:
+            problems.append(f"{notices} reclaim notices fired but {interrupted.just_in_time_ends} placements ended at "
+                            "a just-in-time checkpoint (is checkpoint.just_in_time off?)")
         fixed = len(set(workers)) == 1
         divergence = first_divergence(self._history(baseline.run), self._history(interrupted.run)) if fixed else None
         if fixed and not identical:

@@ -209,6 +209,25 @@ def test_verify_resume_proves_bit_identical_resume_after_kills(stack):
     assert report["tensors_compared"] >= 6  # model and optimizer (momentum) tensors
 
 
+@pytest.mark.parametrize("job, overrides", [
+    ("jobs/charlm.yaml", ["--set", "config.epochs=2"]),  # dropout, AdamW, warmup + cosine LambdaLR
+    ("jobs/digits_augment.yaml", ["--set", "config.epochs=2"]),  # crop/flip/noise in 2 DataLoader workers
+])
+def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(stack, job, overrides):
+    """Kills (one inside a save) and a reclaim notice (a just-in-time end): the random streams of the training
+    loop and of the DataLoader workers continue exactly, so the final state is bit-identical."""
+    proc = stack["cli"].run("verify-resume", job, "--kills", "3", "--notices", "1", "--json", *overrides,
+                            check=True)
+    report = json.loads(proc.stdout)
+    assert report["identical"] is True and report["max_abs_diff"] == 0.0, report["problems"]
+    assert report["first_loss_divergence"] is None
+    assert report["samples_exactly_once"] is True and report["passed"] is True
+    assert report["kills_fired"] == 3 and report["notices_fired"] == 1
+    assert report["interrupted"]["just_in_time_ends"] == 1  # the notice ended a placement just in time
+    plan = report["interrupted"]["kill_plan"]
+    assert any(k.endswith(":save") for k in plan) and any(k.endswith(":notice") for k in plan)
+
+
 def test_verify_resume_across_2_1_2_workers_sees_every_sample_once(stack):
     """Resharding 2 -> 1 -> 2: model, optimizer and data position move across worker counts, and the sample
     ledger of the resumed run has every sample of every epoch exactly once."""
