@@ -193,29 +193,15 @@ def test_bad_input_exits_2_with_one_line(stack, args, expected):
     assert "Traceback" not in proc.stderr
 
 
-def test_verify_resume_proves_bit_identical_resume_after_kills(stack):
-    """The user-facing verifier: 3 kills (one inside a checkpoint save), same final model and optimizer,
-    every sample once per epoch."""
-    proc = stack["cli"].run("verify-resume", "jobs/digits_ddp.yaml", "--kills", "3", "--json",
-                            "--set", "config.epochs=2", "--set", "checkpoint.every_steps=10", check=True)
-    report = json.loads(proc.stdout)
-    assert report["identical"] is True and report["max_abs_diff"] == 0.0, report["problems"]
-    assert report["samples_exactly_once"] is True
-    assert report["kills"] == 3 and report["kills_fired"] == 3
-    # Restarts are counted from the sample ledgers' attempts: 3 here, but seen 2 once on a machine loaded by a
-    # second test run (not understood yet; identical weights and exactly-once held). The kills are counted above.
-    assert report["interrupted"]["restarts"] >= 2 and report["passed"] is True
-    assert any(k.endswith(":save") for k in report["interrupted"]["kill_plan"])
-    assert report["tensors_compared"] >= 6  # model and optimizer (momentum) tensors
-
-
 @pytest.mark.parametrize("job, overrides", [
     ("jobs/charlm.yaml", ["--set", "config.epochs=2"]),  # dropout, AdamW, warmup + cosine LambdaLR
     ("jobs/digits_augment.yaml", ["--set", "config.epochs=2"]),  # crop/flip/noise in 2 DataLoader workers
 ])
 def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(stack, job, overrides):
-    """Kills (one inside a save) and a reclaim notice (a just-in-time end): the random streams of the training
-    loop and of the DataLoader workers continue exactly, so the final state is bit-identical."""
+    """The user-facing verifier on jobs that draw random numbers: 3 kills (one inside a checkpoint save) and a
+    reclaim notice (a just-in-time end). The random streams of the training loop and of the DataLoader workers
+    continue exactly, so the final model and optimizer are bit-identical and every sample is seen once per epoch.
+    (digits_augment is the digits job plus augmentation: it stands for the plain digits job too.)"""
     proc = stack["cli"].run("verify-resume", job, "--kills", "3", "--notices", "1", "--json", *overrides,
                             check=True)
     report = json.loads(proc.stdout)
@@ -226,6 +212,10 @@ def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(stack,
     assert report["interrupted"]["just_in_time_ends"] == 1  # the notice ended a placement just in time
     plan = report["interrupted"]["kill_plan"]
     assert any(k.endswith(":save") for k in plan) and any(k.endswith(":notice") for k in plan)
+    # Restarts are counted from the sample ledgers' attempts (4 here: 3 kills and the notice); seen one fewer once
+    # on a machine loaded by a second test run. The faults themselves are counted above.
+    assert report["interrupted"]["restarts"] >= 3
+    assert report["tensors_compared"] >= 6  # model and optimizer (momentum, Adam's moments) tensors
 
 
 def test_verify_resume_across_2_1_2_workers_sees_every_sample_once(stack):
