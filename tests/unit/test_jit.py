@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastic.jit import DEFAULT_SAVE_SECONDS, JitPlanner, JustInTime, NoJustInTime, Notice
+from elastic.worker.jit import DEFAULT_SAVE_SECONDS, JitPlanner, JustInTime, NoJustInTime, Notice
 
 
 class Clock:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.placement import (GrowWatcher, NodeView, PlacementControl, PlacementWatch, SwapWatcher, decide_grow,
-                               decide_start, decide_swap, decide_workers, placement_watch, NoPlacementWatch,
-                               wait_for_spot, wait_for_workers, worker_slots)
-from elastic.spec import WorkersSpec
+from elastic.driver.capacity import GrowWatcher, SwapWatcher, wait_for_spot, wait_for_workers
+from elastic.placement.policy import NodeView, decide_grow, decide_start, decide_swap, decide_workers, worker_slots
+from elastic.placement.control import PlacementControl
+from elastic.worker.placement_watch import PlacementWatch, placement_watch, NoPlacementWatch
+from elastic.config.spec import WorkersSpec
 
 
 def node(market: str, cpus: float = 1.0, gpus: float = 0.0, role: str = "worker", draining: bool = False,
@@ -269,7 +270,7 @@ def test_other_markets_keep_their_defaults(market):
 
 
 def test_driver_selector_matches_the_on_demand_head_only():
-    from elastic.labels import driver_selector, matches
+    from elastic.placement.labels import driver_selector, matches
 
     head = {"market": "on-demand", "elastic-role": "head", "elastic-node": "head"}
     assert matches(head, driver_selector())
@@ -279,7 +280,7 @@ def test_driver_selector_matches_the_on_demand_head_only():
 
 
 def test_add_node_needs_a_running_stack_and_a_known_market(tmp_path, monkeypatch):
-    from elastic import local
+    from elastic.local import stack as local
     from elastic.errors import ClusterError
 
     monkeypatch.setenv("ELASTIC_HOME", str(tmp_path))

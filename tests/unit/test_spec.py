@@ -13,18 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from elastic.errors import SpecError
-from elastic.spec import (
-    CheckpointSpec,
-    FailureSpec,
-    JobSpec,
-    RuntimeEnvSpec,
-    WorkersSpec,
-    apply_overrides,
-    dump_schema,
-    job_schema,
-    load_job_spec,
-    parse_job_spec,
-)
+from elastic.config.spec import CheckpointSpec, FailureSpec, JobSpec, RuntimeEnvSpec, WorkersSpec, apply_overrides, dump_schema, job_schema, load_job_spec, parse_job_spec
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "jobs" / "digits_ddp.yaml"

@@ -7,7 +7,7 @@ import os
 import pyarrow.fs as pafs
 import pytest
 
-from elastic import storage
+from elastic.storage import filesystems as storage
 from elastic.errors import StorageError
 from elastic.storage import StorageLocation, check_storage, fsspec_options, parse_uri, pyarrow_filesystem
 
