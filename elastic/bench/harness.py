@@ -91,8 +91,8 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from elastic.checkpoint.store import CheckpointStore
     from elastic.checkpoint.checkpointer import ShardedCheckpointer
+    from elastic.checkpoint.store import CheckpointStore
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")
@@ -139,7 +139,7 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
         sync_step, async_step = 2 * step - 1, 2 * step
         expected = [t.clone() for t in tensors(state())]
         writes = {"put_s": put,
-                  "save_s": lambda: checkpointer.save(sync_step, state(), asynchronous=False)}
+                  "save_s": lambda: checkpointer.save(sync_step, state(), asynchronous=False)}  # noqa: B023 (run now)
         # Alternate which goes first: the endpoint may still be busy with what came before.
         for key in (list(writes) if step % 2 else list(reversed(writes))):
             times[key].append(_timed(barrier, writes[key]))
@@ -158,7 +158,7 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
         for tensor in tensors(template):
             tensor.zero_()
         reads = {"get_s": lambda: store.fs.cat(every_object),
-                 "load_s": lambda: checkpointer.load(sync_step, template)}
+                 "load_s": lambda: checkpointer.load(sync_step, template)}  # noqa: B023 (run now)
         store.fs.invalidate_cache(raw)
         for key in (list(reads) if step % 2 else list(reversed(reads))):
             times[key].append(_timed(barrier, reads[key]))
@@ -203,7 +203,7 @@ def bench_checkpoint(uri: str, size_mb: float = 256, workers: int = 2, repeats: 
     # slow spell of the endpoint (its garbage collector, the machine's other work) hits both sides of a ratio.
     times = raw["times"]
     throughput = [round(p / s, 3) for p, s in zip(times["put_s"], times["save_s"])]
-    loads = [round(g / l, 3) for g, l in zip(times["get_s"], times["load_s"])]
+    loads = [round(g / load, 3) for g, load in zip(times["get_s"], times["load_s"])]
     return CheckpointBench(
         uri=uri, size_mb=round(size, 1), workers=workers,
         raw_put_mb_s=round(put, 1), save_mb_s=round(save, 1), raw_get_mb_s=round(get, 1), load_mb_s=round(load, 1),
@@ -263,8 +263,8 @@ def _overhead_worker(config: dict) -> None:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from elastic.worker.session import Session
     from elastic.config.spec import JobSpec
+    from elastic.worker.session import Session
 
     torch.manual_seed(0)
     width, batch, steps, rounds = config["width"], config["batch"], config["steps"], config["rounds"]

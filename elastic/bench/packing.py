@@ -19,7 +19,8 @@ import subprocess
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import SweepSpec
@@ -91,11 +92,9 @@ def _job(name: str, entrypoint: str, uri: str, config: dict, cpus: float, market
 
 def bench_concurrency(uri: str, share: float, trials: int | None, hold_s: float, cpus: float,
                       say: Callable[[str], None], market: str = "any") -> dict:
-    from elastic.sweep import packing
     from elastic.storage import parse_uri
-    from elastic.sweep.runner import run_sweep
-
-    from elastic.sweep.runner import market_gpus
+    from elastic.sweep import packing
+    from elastic.sweep.runner import market_gpus, run_sweep
 
     gpus = market_gpus(market)
     if gpus <= 0:
@@ -125,9 +124,9 @@ def bench_concurrency(uri: str, share: float, trials: int | None, hold_s: float,
 
 def summarize_concurrency(result: dict, uri: str, name: str, share: float, gpus: float, trials: int,
                           requested: int, started: float, ended: float) -> dict:
-    from elastic.worker.sharing import GPUS_FILE
     from elastic.storage import parse_uri
     from elastic.sweep.runner import TRIAL_FILE, _read_json
+    from elastic.worker.sharing import GPUS_FILE
 
     intervals, driver_delay, startup, per_gpu = [], [], [], {}
     for trial in result["trials"]:

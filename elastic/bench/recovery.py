@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic.local import stack as local
-from elastic.local import preempt
 from elastic.bench.jobs import read_timeline
 from elastic.errors import ClusterError
+from elastic.local import preempt
+from elastic.local import stack as local
 
 WIDTH, BATCH, EVERY_STEPS = 1024, 256, 50  # ~30-60 ms steps on one CPU core: a realistic step, not a no-op
 
@@ -77,8 +77,8 @@ class _Run:
         self.job_id: str | None = None
 
     def start(self) -> None:
-        from elastic.driver import submit
         from elastic.config.spec import JobSpec
+        from elastic.driver import submit
 
         target = submit.Target(self.state.dashboard_url, self.state)
         if self.kind == "bare":

@@ -22,16 +22,16 @@ import os
 import pickle
 import threading
 import warnings
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Generator
+from typing import Any
 
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from elastic.checkpoint.store import DCP_METADATA, file_ends
-
 
 # Files up to this size go up in one PUT straight from the buffer DCP wrote them into; larger ones through
 # s3fs's concurrent multipart upload (its threshold: two 50 MB parts).

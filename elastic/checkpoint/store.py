@@ -16,14 +16,13 @@ moment leaves the latest committed checkpoint loadable.
 from __future__ import annotations
 
 import json
-import re
 import pickle
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.storage import fsspec_filesystem, fsspec_options, parse_uri
-
 
 MARKER = "COMMITTED.json"
 DCP_METADATA = ".metadata"

@@ -8,12 +8,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from elastic.local import stack as local
-from elastic.driver import submit
-from elastic.errors import JobFailed, UserError
-from elastic.config.spec import load_job_spec
 from elastic.checkpoint.store import CheckpointStore
+from elastic.config.spec import load_job_spec
+from elastic.driver import submit
 from elastic.driver.runs import read_summary, run_directory
+from elastic.errors import JobFailed, UserError
+from elastic.local import stack as local
 
 TARGET_ACCURACY = 0.95
 DEMO_JOB = Path("jobs") / "digits_ddp.yaml"

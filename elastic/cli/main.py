@@ -174,8 +174,8 @@ def submit_cmd(job_file: Path, address: str | None, suffix: str | None, override
     Example:
       elastic submit jobs/digits_ddp.yaml --follow
     """
-    from elastic.driver import submit
     from elastic.config.spec import load_job_spec
+    from elastic.driver import submit
 
     spec = load_job_spec(job_file, overrides)
     target = submit.resolve_target(address)
@@ -198,8 +198,8 @@ def submit_cmd(job_file: Path, address: str | None, suffix: str | None, override
 def run_cmd(job_file: Path | None, run_name: str | None, overrides: tuple[str, ...]) -> None:
     """Run a job in this process as the Ray driver (what `submit` starts on the cluster)."""
     from elastic.config.spec import load_job_spec
-    from elastic.driver.submit import spec_from_environment
     from elastic.driver.fitting import run_job
+    from elastic.driver.submit import spec_from_environment
 
     spec = load_job_spec(job_file, overrides) if job_file else spec_from_environment()
     run_job(spec, run_name or spec.run_name())
@@ -260,8 +260,8 @@ def checkpoints_group() -> None:
 def _store(run: str, root: str | None):
     import os
 
-    from elastic.local import stack as local
     from elastic.checkpoint.store import CheckpointStore
+    from elastic.local import stack as local
 
     state = local.running_state()
     if state is not None and not os.environ.get("AWS_ENDPOINT_URL"):
@@ -350,9 +350,9 @@ def verify_resume_cmd(job_file: Path, kills: int, workers_text: str | None, addr
       elastic verify-resume jobs/digits_ddp.yaml --kills 3 --json
       elastic verify-resume jobs/digits_ddp.yaml --kills 3 --workers 2,1,2
     """
-    from elastic.driver import submit
-    from elastic.diagnostics import verify
     from elastic.config.spec import load_job_spec
+    from elastic.diagnostics import verify
+    from elastic.driver import submit
 
     spec = load_job_spec(job_file, overrides)
     workers = _worker_counts(workers_text, spec.workers.min)
@@ -512,8 +512,8 @@ def sweep_cmd(sweep_file: Path, overrides: tuple[str, ...], resume: bool, as_jso
       elastic local up --spot 2 --on-demand 1 --gpus-per-node 2 --cpus-per-node 2
       elastic sweep jobs/digits_sweep.yaml
     """
-    from elastic.sweep import runner as sweeps
     from elastic.config.sweep_spec import load_sweep_spec
+    from elastic.sweep import runner as sweeps
 
     spec, job = load_sweep_spec(sweep_file, overrides)
     sweeps.connect(job)
@@ -730,8 +730,8 @@ def preempt_cmd(node: str | None, pick_random: bool, market: str | None, count: 
       elastic preempt --node spot-1 --hard --replace-after 10
       elastic preempt --market spot --count 2 --notice 30  # two spot nodes at once
     """
-    from elastic.local import stack as local
     from elastic.local import preempt
+    from elastic.local import stack as local
 
     if hard and notice is not None:
         raise UserError("--hard kills without notice; drop --notice (or drop --hard)")

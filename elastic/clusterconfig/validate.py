@@ -24,9 +24,10 @@ import copy
 import difflib
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from elastic.errors import UserError
 from elastic.placement.labels import HEAD_ROLE, MARKET_LABEL, MARKETS, ROLE_LABEL, WORKER_ROLE

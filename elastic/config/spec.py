@@ -99,7 +99,7 @@ class CheckpointSpec(_Frozen):
     )
 
     @model_validator(mode="after")
-    def _needs_a_cadence(self) -> "CheckpointSpec":
+    def _needs_a_cadence(self) -> CheckpointSpec:
         if self.every_steps is None and self.every_seconds is None:
             raise ValueError("set every_steps or every_seconds (or both)")
         return self

@@ -26,8 +26,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from elastic.errors import SpecError
 from elastic.config.spec import _NAME_PATTERN, JobSpec, _describe, _Frozen, apply_overrides, parse_job_spec, parse_spec
+from elastic.errors import SpecError
 
 Mode = Literal["min", "max"]
 
@@ -41,7 +41,7 @@ class ParamSpec(_Frozen):
     grid: Optional[list[Any]] = Field(default=None, min_length=1, description="Every value (times num_samples).")
 
     @model_validator(mode="after")
-    def _exactly_one(self) -> "ParamSpec":
+    def _exactly_one(self) -> ParamSpec:
         given = [k for k in ("choice", "uniform", "loguniform", "grid") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of choice, uniform, loguniform, grid"
@@ -74,7 +74,7 @@ class SchedulerSpec(_Frozen):
                               description="pbt: space keys to perturb (default: every non-grid key).")
 
     @model_validator(mode="after")
-    def _grace_within_max(self) -> "SchedulerSpec":
+    def _grace_within_max(self) -> SchedulerSpec:
         if self.type == "asha" and self.grace_period > self.max_t:
             raise ValueError(f"grace_period ({self.grace_period}) exceeds max_t ({self.max_t}); lower it")
         return self
@@ -138,7 +138,7 @@ class SweepSpec(_Frozen):
         return value
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "SweepSpec":
+    def _cross_checks(self) -> SweepSpec:
         unknown = [k for k in self.scheduler.mutate if k not in self.space]
         if unknown:
             raise ValueError(f"scheduler.mutate: {unknown[0]!r} is not a key of space; use one of "

@@ -16,16 +16,17 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
-from elastic.worker.audit import AUDIT_VARIABLE, History, check_exactly_once, read_history
-from elastic.worker.chaos import KILL_AT_VARIABLE, Kill, format_plan
 from elastic.checkpoint.store import CheckpointStore
-from elastic.errors import SpecError, UserError
 from elastic.config.spec import JobSpec
 from elastic.driver.runs import run_directory
+from elastic.errors import SpecError, UserError
+from elastic.worker.audit import AUDIT_VARIABLE, History, check_exactly_once, read_history
+from elastic.worker.chaos import KILL_AT_VARIABLE, Kill, format_plan
 
 # Across a worker-count change: |loss - baseline| <= REL * |baseline| + ABS for every epoch's mean loss. Loose
 # on purpose: fewer workers take more (smaller) optimizer steps per epoch and legitimately learn faster per

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import ray
 from ray.autoscaler.sdk import request_resources
@@ -15,8 +15,17 @@ from ray.autoscaler.sdk import request_resources
 from elastic.config.spec import WorkersSpec
 from elastic.placement.control import PlacementControl
 from elastic.placement.labels import worker_selector
-from elastic.placement.policy import (DEFAULT_POLL_SECONDS, SPOT, Decision, NodeView, decide_grow, decide_start,
-                                      decide_swap, decide_workers, worker_resources)
+from elastic.placement.policy import (
+    DEFAULT_POLL_SECONDS,
+    SPOT,
+    Decision,
+    NodeView,
+    decide_grow,
+    decide_start,
+    decide_swap,
+    decide_workers,
+    worker_resources,
+)
 
 
 def observe_nodes() -> list[NodeView]:

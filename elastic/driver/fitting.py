@@ -9,8 +9,9 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import ray
 
@@ -173,10 +174,10 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
                 nonlocal ahead, looked
                 if ahead is None and not spot_first and time.monotonic() - looked >= 1.0:
                     looked = time.monotonic()
-                    ahead = start_ahead(current)
+                    ahead = start_ahead(current)  # noqa: B023 (called within this iteration only)
 
             try:
-                ended = fitting.wait_for_end(lambda: control.ended(current.id), watch)
+                ended = fitting.wait_for_end(lambda: control.ended(current.id), watch)  # noqa: B023 (same)
             finally:
                 started.stop_watcher()
             if ended is None:
@@ -248,7 +249,7 @@ class _Started:
     placement: Placement
     record: dict
     watcher: Any
-    fitting: "_Fitting"
+    fitting: _Fitting
 
     def stop_watcher(self) -> None:
         if self.watcher is not None:

@@ -20,7 +20,6 @@ from elastic.storage import pyarrow_filesystem
 from elastic.worker.entrypoint import worker_main
 from elastic.worker.sharing import TrialSharing, trial_worker_main
 
-
 # Ray's own resize of a running elastic group restarts it from the last checkpoint, losing the steps since,
 # and was seen flapping 2 -> 1 -> 2 with both nodes up (its capacity view ignores node labels and drains).
 # The driver grows a placement itself, at a checkpoint (placement.GrowWatcher); Ray's running resize is off.

@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic.placement import labels
-from elastic.local import stack as local
-from elastic.errors import ClusterError, UserError
 from elastic.config.spec import JobSpec
+from elastic.errors import ClusterError, UserError
+from elastic.local import stack as local
+from elastic.placement import labels
 from elastic.storage import check_storage
 from elastic.worker.entrypoint import check_entrypoint
 
@@ -161,8 +161,8 @@ def list_runs(target: Target) -> list[dict]:
 def driver_status(target: Target, job_id: str) -> dict | None:
     """What the run's driver says it is doing (running, or waiting for capacity and why), from the run folder;
     None if it cannot be read from here (a cloud bucket this machine has no access to)."""
-    from elastic.placement.control import PlacementControl
     from elastic.driver.runs import run_directory
+    from elastic.placement.control import PlacementControl
 
     try:
         info = client(target).get_job_info(job_id)

@@ -95,7 +95,7 @@ class MetadataServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "MetadataServer":
+    def start(self) -> MetadataServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                         name=f"metadata-{self.provider}", daemon=True)
         self._thread.start()
@@ -107,7 +107,7 @@ class MetadataServer:
         self._httpd.shutdown()
         self._httpd.server_close()
 
-    def __enter__(self) -> "MetadataServer":
+    def __enter__(self) -> MetadataServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -13,14 +13,14 @@ import os
 import random
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
-from elastic.local import stack as local
-from elastic.local import processes
 from elastic.errors import ClusterError
-from elastic.placement.labels import WORKER_ROLE
+from elastic.local import processes
+from elastic.local import stack as local
 from elastic.local.metadata_server import post_admin
+from elastic.placement.labels import WORKER_ROLE
 
 
 @dataclass

@@ -50,7 +50,7 @@ class Launched:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Launched":
+    def from_dict(cls, data: dict) -> Launched:
         ticks = data.get("start_ticks")
         return cls(pid=int(data["pid"]), create_time=float(data["create_time"]), role=str(data["role"]),
                    start_ticks=None if ticks is None else int(ticks))

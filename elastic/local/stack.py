@@ -22,10 +22,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from elastic.local import processes
 from elastic.errors import ClusterError
+from elastic.local import processes
 from elastic.local.processes import Launched
-from elastic.placement.labels import HEAD_ROLE, MARKET_LABEL, ROLE_LABEL, WORKER_ROLE, NODE_NAME_LABEL
+from elastic.placement.labels import HEAD_ROLE, MARKET_LABEL, NODE_NAME_LABEL, ROLE_LABEL, WORKER_ROLE
 
 DEFAULT_BUCKET = "elastic"
 # Ray's default object store takes 30% of RAM per node; several nodes on one machine would ask for more

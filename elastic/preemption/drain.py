@@ -13,8 +13,9 @@ candidates (a local cluster with many raylets on one host) are an error: pass --
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from elastic.errors import ClusterError, ElasticError
 
@@ -76,7 +77,7 @@ class RayDrainer:
         try:
             address = services.canonicalize_bootstrap_address(self._address or "auto")
         except Exception as err:  # Ray raises ConnectionError/ValueError variants here; all mean the same
-            raise ClusterError(f"cannot find the Ray cluster ({err}); pass --address HOST:PORT or set RAY_ADDRESS")
+            raise ClusterError(f"cannot find the Ray cluster ({err}); pass --address HOST:PORT or set RAY_ADDRESS") from None
         if not address:
             raise ClusterError("no Ray cluster on this host; pass --address HOST:PORT or set RAY_ADDRESS")
         return address

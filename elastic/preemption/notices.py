@@ -16,9 +16,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable, Mapping, Protocol
+from typing import Protocol
 
 from elastic.errors import MetadataUnavailable
 

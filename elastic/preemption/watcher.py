@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Callable
 
-from elastic.preemption.drain import Drainer
 from elastic.errors import ElasticError, MetadataUnavailable
+from elastic.preemption.drain import Drainer
 from elastic.preemption.notices import DEFAULT_METADATA_URL, Notice, NoticeSource, detect_provider, make_source
-
 
 # ---------------------------------------------------------------------------------------------------------
 # policies (pure) and the watcher loop

@@ -31,7 +31,7 @@ class StorageLocation:
     def is_object_store(self) -> bool:
         return self.scheme in _OBJECT_STORE_SCHEMES
 
-    def child(self, *parts: str) -> "StorageLocation":
+    def child(self, *parts: str) -> StorageLocation:
         return parse_uri("/".join([self.uri.rstrip("/"), *[p.strip("/") for p in parts]]))
 
     @property

@@ -19,16 +19,16 @@ import pickle
 import re
 import sys
 import time
-from dataclasses import asdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ray.tune import Callback
 
-from elastic.sweep import packing
-from elastic.errors import ClusterError, ElasticError, UserError
 from elastic.config.spec import JobSpec
-from elastic.storage import fsspec_filesystem, parse_uri, pyarrow_filesystem
 from elastic.config.sweep_spec import SweepSpec, trial_job
+from elastic.errors import ClusterError, ElasticError, UserError
+from elastic.storage import fsspec_filesystem, parse_uri, pyarrow_filesystem
+from elastic.sweep import packing
 
 PLAN_FILE = "elastic-sweep.json"
 TRIAL_FILE = "elastic-trial.json"
@@ -98,10 +98,9 @@ def prepare_plan(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> 
 def run_probe(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> packing.Probe:
     """A short Train run of the first configuration on a whole GPU: step time, and on CUDA the peak memory.
     Without CUDA there is no device memory to measure: the sweep's declared packing.gpu_memory_gb is used."""
-    from elastic.worker.sharing import PROBE_FILE
     from elastic.config.sweep_spec import _example_value
-    from elastic.worker.sharing import TrialSharing
     from elastic.driver.fitting import fit_run
+    from elastic.worker.sharing import PROBE_FILE, TrialSharing
 
     cfg = sweep.packing
     logical = os.environ.get("ELASTIC_LOGICAL_GPUS") == "1"
@@ -141,9 +140,8 @@ def trial_main(config: dict, setup: dict) -> None:
     from ray import tune
 
     from elastic.checkpoint.store import CheckpointStore
-    from elastic.worker.sharing import OOM_FILE, read_marker
-    from elastic.worker.sharing import TrialSharing
     from elastic.driver.fitting import fit_run
+    from elastic.worker.sharing import OOM_FILE, TrialSharing, read_marker
 
     trial_id = tune.get_context().get_trial_id()
     run_name = f"{setup['sweep']}-{trial_id}"
@@ -399,11 +397,11 @@ def disconnect() -> None:
 
 def connect(job: JobSpec | None = None) -> None:
     """Attach this process to the cluster as the sweep's driver; the working dir travels to every trial."""
-    import torch  # noqa: F401  (before ray.init: see elastic.driver.fitting)
     import ray
+    import torch  # noqa: F401  (before ray.init: see elastic.driver.fitting)
 
-    from elastic.local import stack as local
     from elastic.driver.submit import DEFAULT_EXCLUDES
+    from elastic.local import stack as local
 
     address = os.environ.get("RAY_ADDRESS")
     state = local.running_state()

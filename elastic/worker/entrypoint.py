@@ -9,8 +9,9 @@ import importlib.util
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from elastic.config.spec import JobSpec
 from elastic.errors import SpecError

@@ -18,8 +18,8 @@ Two layers:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 # Before any save has been timed: assume a slow one rather than miss the deadline.
 DEFAULT_SAVE_SECONDS = 5.0

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from elastic.errors import NonFiniteLoss
 from elastic.config.spec import TrainSpec
+from elastic.errors import NonFiniteLoss
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -32,16 +32,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from elastic.checkpoint.checkpointer import SaveResult, ShardedCheckpointer
+from elastic.checkpoint.store import CheckpointStore, Retention
+from elastic.config.spec import CheckpointSpec, JobSpec
+from elastic.placement.control import PlacementEnded
+from elastic.placement.labels import MARKET_LABEL
 from elastic.worker.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.worker.chaos import Chaos
-from elastic.checkpoint.store import CheckpointStore, Retention
-from elastic.checkpoint.checkpointer import SaveResult, ShardedCheckpointer
 from elastic.worker.jit import JustInTime, NoJustInTime
-from elastic.placement.labels import MARKET_LABEL
-from elastic.placement.control import PlacementEnded
+from elastic.worker.optimizer_step import (
+    NonFiniteGuard,
+    OptimizerStep,
+    apply_activation_checkpointing,
+    autocast,
+    autocast_forward,
+    grad_scaler,
+)
 from elastic.worker.placement_watch import placement_watch
-from elastic.config.spec import CheckpointSpec, JobSpec
-from elastic.worker.optimizer_step import NonFiniteGuard, OptimizerStep, apply_activation_checkpointing, autocast, autocast_forward, grad_scaler
 
 
 class Stateful(Protocol):

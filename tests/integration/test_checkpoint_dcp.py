@@ -158,8 +158,8 @@ def _worker(rank: int, world: int, port: int, env: dict, out: str, scenarios: li
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from elastic.checkpoint.store import CheckpointStore
     from elastic.checkpoint.checkpointer import ShardedCheckpointer
+    from elastic.checkpoint.store import CheckpointStore
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))

@@ -140,8 +140,8 @@ def test_noticed_reclaim_resumes_from_the_just_in_time_checkpoint_with_nothing_l
 
 
 def test_two_spot_nodes_reclaimed_at_once_shrink_the_run_and_every_sample_is_seen_once(stack):
-    from elastic.worker.audit import check_exactly_once, read_history
     from elastic.storage import fsspec_filesystem
+    from elastic.worker.audit import check_exactly_once, read_history
 
     cli = stack["cli"]
     run = Submission(cli, "--suffix", "shrink", "--set", f"config.epochs={EPOCHS}", "--set", "workers.min=1",

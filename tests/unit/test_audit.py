@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from elastic.data import ResumableLoader, ResumableSampler
 from elastic.worker.audit import History, SampleLedger, check_exactly_once, read_history
 from elastic.worker.chaos import Kill, format_plan, parse_plan
-from elastic.data import ResumableLoader, ResumableSampler
 
 N, BATCH = 20, 3
 

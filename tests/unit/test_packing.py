@@ -7,7 +7,16 @@ import os
 import pytest
 
 from elastic.bench.packing import max_overlap
-from elastic.sweep.packing import GB, Probe, bigger_share, concurrency_cap, fixed_plan, memory_cap, plan_packing, rank_placement
+from elastic.sweep.packing import (
+    GB,
+    Probe,
+    bigger_share,
+    concurrency_cap,
+    fixed_plan,
+    memory_cap,
+    plan_packing,
+    rank_placement,
+)
 
 
 def probe(peak_gb: float, device_gb: float = 80, source: str = "measured") -> Probe:

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from elastic.errors import ClusterError
-from elastic.local.stack import LocalState
 from elastic.local.preempt import select_nodes
+from elastic.local.stack import LocalState
 
 
 def state() -> LocalState:

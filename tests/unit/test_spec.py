@@ -12,8 +12,19 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from elastic.config.spec import (
+    CheckpointSpec,
+    FailureSpec,
+    JobSpec,
+    RuntimeEnvSpec,
+    WorkersSpec,
+    apply_overrides,
+    dump_schema,
+    job_schema,
+    load_job_spec,
+    parse_job_spec,
+)
 from elastic.errors import SpecError
-from elastic.config.spec import CheckpointSpec, FailureSpec, JobSpec, RuntimeEnvSpec, WorkersSpec, apply_overrides, dump_schema, job_schema, load_job_spec, parse_job_spec
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "jobs" / "digits_ddp.yaml"

@@ -7,9 +7,9 @@ import os
 import pyarrow.fs as pafs
 import pytest
 
-from elastic.storage import filesystems as storage
 from elastic.errors import StorageError
 from elastic.storage import StorageLocation, check_storage, fsspec_options, parse_uri, pyarrow_filesystem
+from elastic.storage import filesystems as storage
 
 _AWS_VARIABLES = [
     "AWS_ENDPOINT_URL",

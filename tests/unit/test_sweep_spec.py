@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.errors import SpecError
 from elastic.config.sweep_spec import load_sweep_spec, parse_sweep_spec, sweep_schema, trial_job
+from elastic.errors import SpecError
 
 REPO = Path(__file__).resolve().parents[2]
 
