@@ -6,9 +6,11 @@ import os
 import sys
 from pathlib import Path
 
+import click
 from rich.console import Console
 
 from elastic.checkpoint.store import CheckpointStore
+from elastic.cli.common import console
 from elastic.config.spec import load_job_spec
 from elastic.driver import submit
 from elastic.driver.runs import read_summary, run_directory
@@ -63,3 +65,12 @@ def run_demo(console: Console, spot: int, on_demand: int, stop_after: bool) -> N
     if accuracy < TARGET_ACCURACY:
         console.print(f"[red]accuracy {accuracy:.4f} is below the target {TARGET_ACCURACY}[/]")
         sys.exit(1)
+
+
+@click.command("demo")
+@click.option("--spot", default=2, show_default=True, type=click.IntRange(0))
+@click.option("--on-demand", default=1, show_default=True, type=click.IntRange(0))
+@click.option("--down", "stop_after", is_flag=True, help="Stop the local stack when the demo ends.")
+def demo_cmd(spot: int, on_demand: int, stop_after: bool) -> None:
+    """The whole story on the embedded default: local stack, DDP job on spot nodes, checkpoints in S3."""
+    run_demo(console, spot=spot, on_demand=on_demand, stop_after=stop_after)

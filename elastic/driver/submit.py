@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic.config.entrypoint import check_entrypoint
 from elastic.config.spec import JobSpec
 from elastic.errors import ClusterError, UserError
 from elastic.local import stack as local
 from elastic.placement import labels
 from elastic.storage import check_storage
-from elastic.worker.entrypoint import check_entrypoint
 
 SPEC_VARIABLE = "ELASTIC_JOB_SPEC"
 RUN_METADATA_KEY = "elastic_run"

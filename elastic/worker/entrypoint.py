@@ -1,9 +1,9 @@
 """The job's entrypoint on the worker: resolve `file.py:function` or `package.module:function` and call it with
-a Session (the train function Ray Train runs on every worker), and the client-side check that it exists."""
+a Session (the train function Ray Train runs on every worker). The client-side check without importing the
+user's code is elastic.config.entrypoint's."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import importlib.util
 import os
@@ -65,35 +65,3 @@ def _load_file_module(relative: str):
             spec.loader.exec_module(module)
             return module
     raise SpecError(f"entrypoint: {relative} not found in the working dir; submit from the project root")
-
-
-def check_entrypoint(spec: JobSpec, working_dir: Path) -> None:
-    """Client-side check, without importing user code: the file exists and defines the function."""
-    target, name = spec.entrypoint_target, spec.entrypoint_function
-    if not target.endswith(".py"):
-        return  # a module path is importable only in the job's environment; checked when the job starts
-    path = working_dir / target
-    if not path.is_file():
-        raise SpecError(f"entrypoint: {target} not found under {working_dir}; fix the path or submit from the project root")
-    try:
-        tree = ast.parse(path.read_text(), filename=str(path))
-    except SyntaxError as err:
-        raise SpecError(f"entrypoint: {target}:{err.lineno}: syntax error ({err.msg}); fix the file") from None
-    if name not in _top_level_names(tree):
-        functions = sorted(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
-        raise SpecError(f"entrypoint: {target} defines no function '{name}'; functions there: "
-                        f"{', '.join(functions) or 'none'}")
-
-
-def _top_level_names(tree) -> set[str]:
-    """Names a module binds at top level: defs, classes, assignments and imports (any may be the entry)."""
-    names: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(t.id for t in targets if isinstance(t, ast.Name))
-    return names
