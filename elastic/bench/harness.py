@@ -23,6 +23,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from elastic.checkpoint.checkpointer import ShardedCheckpointer
+from elastic.checkpoint.store import CheckpointStore
+from elastic.config.spec import JobSpec
+from elastic.driver.runs import run_directory
+from elastic.storage import check_storage, pyarrow_filesystem
+from elastic.worker.session import Session
+
 MB = 1024 * 1024
 OVERHEAD_RESULT = "bench-overhead.json"
 
@@ -90,9 +97,6 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from elastic.checkpoint.checkpointer import ShardedCheckpointer
-    from elastic.checkpoint.store import CheckpointStore
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")
@@ -185,8 +189,6 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
 def bench_checkpoint(uri: str, size_mb: float = 256, workers: int = 2, repeats: int = 7) -> CheckpointBench:
     import torch.multiprocessing as mp
 
-    from elastic.storage import check_storage
-
     check_storage(uri)
     run_uri = f"{uri.rstrip('/')}/bench-checkpoint-{time.strftime('%Y%m%d-%H%M%S')}"
     env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "FSSPEC_"))}
@@ -262,9 +264,6 @@ def _overhead_worker(config: dict) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-    from elastic.config.spec import JobSpec
-    from elastic.worker.session import Session
 
     torch.manual_seed(0)
     width, batch, steps, rounds = config["width"], config["batch"], config["steps"], config["rounds"]
@@ -381,9 +380,6 @@ def bench_overhead(uri: str, workers: int = 2, rounds: int = 12, steps: int = 40
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from elastic.config.spec import JobSpec
-    from elastic.storage import check_storage, pyarrow_filesystem
-
     check_storage(uri)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = f"bench-overhead-{stamp}"
@@ -405,8 +401,6 @@ def bench_overhead(uri: str, workers: int = 2, rounds: int = 12, steps: int = 40
         run_config=RunConfig(name=name, storage_path=storage_path, storage_filesystem=filesystem),
     )
     trainer.fit()
-    from elastic.checkpoint.store import CheckpointStore
-    from elastic.driver.runs import run_directory
 
     store = CheckpointStore(run_directory(spec, name))
     with store.fs.open(f"{store.root}/{OVERHEAD_RESULT}", "r") as handle:

@@ -18,6 +18,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from elastic.placement.labels import worker_selector
+from elastic.storage import pyarrow_filesystem
+
 SAMPLES = 16_384  # x 1024 features: 64 MB per worker
 
 
@@ -141,9 +144,6 @@ def bare_main(argv: list[str]) -> None:
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-
-    from elastic.placement.labels import worker_selector
-    from elastic.storage import pyarrow_filesystem
 
     ray.init(address=os.environ.get("RAY_ADDRESS") or "auto")
     filesystem, storage_path = pyarrow_filesystem(uri)

@@ -24,6 +24,11 @@ from typing import Any
 
 from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import SweepSpec
+from elastic.errors import ClusterError
+from elastic.storage import fsspec_filesystem, parse_uri
+from elastic.sweep import packing
+from elastic.sweep.runner import TRIAL_FILE, _read_json, market_gpus, run_sweep
+from elastic.worker.sharing import GPUS_FILE
 
 BARRIER = "barrier"
 
@@ -35,8 +40,6 @@ BARRIER = "barrier"
 def hold(session) -> None:
     """Register at the barrier, hold until every requested trial has arrived (or the timeout), report when."""
     import torch
-
-    from elastic.storage import fsspec_filesystem
 
     cfg = session.config
     model = torch.nn.Linear(8, 8)
@@ -92,14 +95,8 @@ def _job(name: str, entrypoint: str, uri: str, config: dict, cpus: float, market
 
 def bench_concurrency(uri: str, share: float, trials: int | None, hold_s: float, cpus: float,
                       say: Callable[[str], None], market: str = "any") -> dict:
-    from elastic.storage import parse_uri
-    from elastic.sweep import packing
-    from elastic.sweep.runner import market_gpus, run_sweep
-
     gpus = market_gpus(market)
     if gpus <= 0:
-        from elastic.errors import ClusterError
-
         raise ClusterError("no GPUs on the cluster's worker nodes; start the local stack with --gpus-per-node 1 "
                            "(logical GPUs) or run on a GPU cluster")
     per_gpu = max(1, math.floor(1 / share + 1e-9))
@@ -124,10 +121,6 @@ def bench_concurrency(uri: str, share: float, trials: int | None, hold_s: float,
 
 def summarize_concurrency(result: dict, uri: str, name: str, share: float, gpus: float, trials: int,
                           requested: int, started: float, ended: float) -> dict:
-    from elastic.storage import parse_uri
-    from elastic.sweep.runner import TRIAL_FILE, _read_json
-    from elastic.worker.sharing import GPUS_FILE
-
     intervals, driver_delay, startup, per_gpu = [], [], [], {}
     for trial in result["trials"]:
         run = parse_uri(uri).child(name, "train", f"{name}-{trial['trial_id']}")
@@ -211,8 +204,6 @@ class UtilizationSampler:
 def bench_compare(uri: str, trials: int, steps: int, width: int, batch: int, gpu_memory_gb: float | None,
                   say: Callable[[str], None]) -> dict:
     """The same sweep of small trials with gpu_share auto, then 1.0; trials per hour and GPU utilization."""
-    from elastic.sweep.runner import run_sweep
-
     stamp = f"{time.strftime('%m%d%H%M%S')}-{uuid.uuid4().hex[:4]}"
     rows: dict[str, Any] = {}
     for label, share in (("auto", "auto"), ("whole_gpu", 1.0)):

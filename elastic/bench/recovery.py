@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic.bench.jobs import read_timeline
+from elastic.checkpoint.store import CheckpointStore
+from elastic.config.spec import JobSpec
+from elastic.driver import submit
 from elastic.errors import ClusterError
 from elastic.local import preempt
 from elastic.local import stack as local
@@ -77,9 +80,6 @@ class _Run:
         self.job_id: str | None = None
 
     def start(self) -> None:
-        from elastic.config.spec import JobSpec
-        from elastic.driver import submit
-
         target = submit.Target(self.state.dashboard_url, self.state)
         if self.kind == "bare":
             uri = f"s3://{self.state.bucket}/bench"
@@ -112,8 +112,6 @@ class _Run:
         raise ClusterError(f"bench recovery: {self.name} did not reach step {step} within {timeout:.0f} s")
 
     def stop(self) -> None:
-        from elastic.driver import submit
-
         try:
             submit.client(submit.Target(self.state.dashboard_url, self.state)).stop_job(self.job_id)
         except Exception:  # already ended
@@ -130,8 +128,6 @@ class _Run:
         return (others or candidates)[0]
 
     def _check_alive(self) -> None:
-        from elastic.driver import submit
-
         info = submit.client(submit.Target(self.state.dashboard_url, self.state)).get_job_info(self.job_id)
         if str(info.status) in ("FAILED", "STOPPED"):
             raise ClusterError(f"bench recovery: job {self.job_id} ended {info.status}: {info.message}")
@@ -171,8 +167,6 @@ def _first_step(run: _Run, attempts_before: int, timeout: float = 600) -> dict:
 
 def _commit_time(state: local.LocalState, run: _Run, step: int) -> float | None:
     import os
-
-    from elastic.checkpoint.store import CheckpointStore
 
     saved = dict(os.environ)
     os.environ.update(state.env())

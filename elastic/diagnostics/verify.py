@@ -23,8 +23,10 @@ from typing import TextIO
 
 from elastic.checkpoint.store import CheckpointStore
 from elastic.config.spec import JobSpec
+from elastic.driver import submit
 from elastic.driver.runs import run_directory
 from elastic.errors import SpecError, UserError
+from elastic.local.stack import home_dir
 from elastic.worker.audit import AUDIT_VARIABLE, History, check_exactly_once, read_history
 from elastic.worker.chaos import KILL_AT_VARIABLE, Kill, format_plan
 
@@ -169,8 +171,6 @@ class Verifier:
     # -- one submission
     def _segment(self, suffix: str, workers: int, plan: list[Kill], max_failures: int,
                  expect_failure: bool = False) -> RunReport:
-        from elastic.driver import submit
-
         env = {**self.spec.runtime_env.env_vars, AUDIT_VARIABLE: "1"}
         if plan:
             env[KILL_AT_VARIABLE] = format_plan(plan)
@@ -285,8 +285,6 @@ def _loss_gap(base: dict[int, float], other: dict[int, float]) -> tuple[float, b
 
 
 def default_log_path(stamp: str) -> Path:
-    from elastic.local.stack import home_dir
-
     folder = home_dir() / "verify"
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"verify-{stamp}.log"

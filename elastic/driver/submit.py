@@ -17,9 +17,11 @@ from pathlib import Path
 
 from elastic.config.entrypoint import check_entrypoint
 from elastic.config.spec import JobSpec
+from elastic.driver.runs import run_directory
 from elastic.errors import ClusterError, UserError
 from elastic.local import stack as local
 from elastic.placement import labels
+from elastic.placement.control import PlacementControl
 from elastic.storage import check_storage
 
 SPEC_VARIABLE = "ELASTIC_JOB_SPEC"
@@ -161,9 +163,6 @@ def list_runs(target: Target) -> list[dict]:
 def driver_status(target: Target, job_id: str) -> dict | None:
     """What the run's driver says it is doing (running, or waiting for capacity and why), from the run folder;
     None if it cannot be read from here (a cloud bucket this machine has no access to)."""
-    from elastic.driver.runs import run_directory
-    from elastic.placement.control import PlacementControl
-
     try:
         info = client(target).get_job_info(job_id)
         spec = JobSpec.model_validate(json.loads(info.runtime_env["env_vars"][SPEC_VARIABLE]))

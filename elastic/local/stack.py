@@ -25,7 +25,7 @@ from pathlib import Path
 from elastic.errors import ClusterError
 from elastic.local import processes
 from elastic.local.processes import Launched
-from elastic.placement.labels import HEAD_ROLE, MARKET_LABEL, NODE_NAME_LABEL, ROLE_LABEL, WORKER_ROLE
+from elastic.placement.labels import HEAD_ROLE, MARKET_LABEL, MARKETS, NODE_NAME_LABEL, ROLE_LABEL, WORKER_ROLE
 
 DEFAULT_BUCKET = "elastic"
 # Ray's default object store takes 30% of RAM per node; several nodes on one machine would ask for more
@@ -334,8 +334,6 @@ def add_node(market: str, cpus: int | None = None, gpus: int | None = None, time
 
     Withholding spot nodes at `up` (`--spot 0`) and adding them later is how spot capacity "returns" here.
     cpus/gpus default to those of the stack's other worker nodes (1 and 0 without any)."""
-    from elastic.placement.labels import MARKETS
-
     if market not in MARKETS:
         raise ClusterError(f"--market {market!r}: use one of {', '.join(MARKETS)}")
     state = running_state()

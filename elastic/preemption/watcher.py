@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from elastic.errors import ElasticError, MetadataUnavailable
-from elastic.preemption.drain import Drainer
+from elastic.preemption.drain import Drainer, DrainError, RayDrainer
 from elastic.preemption.notices import DEFAULT_METADATA_URL, Notice, NoticeSource, detect_provider, make_source
 
 # ---------------------------------------------------------------------------------------------------------
@@ -176,8 +176,6 @@ def watch(provider: str = "auto", metadata_url: str | None = None, drainer: Drai
     Runs until killed unless `once`. The node to drain: `drainer`, else a RayDrainer for `node_id` (default:
     this host's Ray node) on the cluster at `address` (default: RAY_ADDRESS, else the one this host joined).
     """
-    from elastic.preemption.drain import DrainError, RayDrainer
-
     url = metadata_url or DEFAULT_METADATA_URL
     if provider == "auto":
         detected = detect_provider(url)

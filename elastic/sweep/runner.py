@@ -24,11 +24,17 @@ from typing import Any
 
 from ray.tune import Callback
 
+from elastic.checkpoint.store import CheckpointStore
 from elastic.config.spec import JobSpec
-from elastic.config.sweep_spec import SweepSpec, trial_job
+from elastic.config.sweep_spec import SweepSpec, _example_value, trial_job
+from elastic.driver.fitting import fit_run
+from elastic.driver.submit import DEFAULT_EXCLUDES
 from elastic.errors import ClusterError, ElasticError, UserError
+from elastic.local import stack as local
+from elastic.placement.labels import MARKET_LABEL, matches, worker_selector
 from elastic.storage import fsspec_filesystem, parse_uri, pyarrow_filesystem
 from elastic.sweep import packing
+from elastic.worker.sharing import OOM_FILE, PROBE_FILE, TrialSharing, read_marker
 
 PLAN_FILE = "elastic-sweep.json"
 TRIAL_FILE = "elastic-trial.json"
@@ -98,10 +104,6 @@ def prepare_plan(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> 
 def run_probe(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> packing.Probe:
     """A short Train run of the first configuration on a whole GPU: step time, and on CUDA the peak memory.
     Without CUDA there is no device memory to measure: the sweep's declared packing.gpu_memory_gb is used."""
-    from elastic.config.sweep_spec import _example_value
-    from elastic.driver.fitting import fit_run
-    from elastic.worker.sharing import PROBE_FILE, TrialSharing
-
     cfg = sweep.packing
     logical = os.environ.get("ELASTIC_LOGICAL_GPUS") == "1"
     if logical and cfg.gpu_memory_gb is None:
@@ -138,10 +140,6 @@ def trial_main(config: dict, setup: dict) -> None:
     """One trial: the job with this trial's parameters, fitted under `<sweep>-<trial id>`; retried with a bigger
     GPU share after an out-of-memory error; resumed from the run's checkpoints whenever it starts again."""
     from ray import tune
-
-    from elastic.checkpoint.store import CheckpointStore
-    from elastic.driver.fitting import fit_run
-    from elastic.worker.sharing import OOM_FILE, TrialSharing, read_marker
 
     trial_id = tune.get_context().get_trial_id()
     run_name = f"{setup['sweep']}-{trial_id}"
@@ -230,8 +228,6 @@ def driver_resources(sweep: SweepSpec):
     import ray
     from ray import tune
 
-    from elastic.placement.labels import MARKET_LABEL
-
     on_demand = [n for n in ray.nodes() if n.get("Alive") and (n.get("Labels") or {}).get(MARKET_LABEL) == "on-demand"
                  and n.get("Resources", {}).get("CPU", 0) >= sweep.driver_cpus]
     selector = [{MARKET_LABEL: "on-demand"}] if on_demand else None
@@ -241,8 +237,6 @@ def driver_resources(sweep: SweepSpec):
 def market_gpus(market: str) -> float:
     """GPUs on the worker nodes a job of this market may use (what its trials' workers can share)."""
     import ray
-
-    from elastic.placement.labels import matches, worker_selector
 
     selector = worker_selector("on-demand" if market == "spot-first" else market)
     if market == "spot-first":
@@ -399,9 +393,6 @@ def connect(job: JobSpec | None = None) -> None:
     """Attach this process to the cluster as the sweep's driver; the working dir travels to every trial."""
     import ray
     import torch  # noqa: F401  (before ray.init: see elastic.driver.fitting)
-
-    from elastic.driver.submit import DEFAULT_EXCLUDES
-    from elastic.local import stack as local
 
     address = os.environ.get("RAY_ADDRESS")
     state = local.running_state()

@@ -35,8 +35,10 @@ import torch.distributed as dist
 from elastic.checkpoint.checkpointer import SaveResult, ShardedCheckpointer
 from elastic.checkpoint.store import CheckpointStore, Retention
 from elastic.config.spec import CheckpointSpec, JobSpec
+from elastic.data import ResumableLoader, ResumableSampler
 from elastic.placement.control import PlacementEnded
 from elastic.placement.labels import MARKET_LABEL
+from elastic.storage import parse_uri
 from elastic.worker.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.worker.chaos import Chaos
 from elastic.worker.jit import JustInTime, NoJustInTime
@@ -207,8 +209,6 @@ class Session:
                **dataloader_kwargs):
         """An exactly-once, resumable loader over a map-style dataset for this rank (elastic.data), tracked
         so its position is checkpointed: after a restore at any worker count it continues where it was."""
-        from elastic.data import ResumableLoader, ResumableSampler
-
         sampler = ResumableSampler(len(dataset), batch_size, self.rank, self.world_size, seed=seed,
                                    shuffle=shuffle, drop_last=drop_last)
         loader = ResumableLoader(dataset, sampler, observer=self._ledger.on_batch, **dataloader_kwargs)
@@ -551,8 +551,6 @@ class Session:
 
 def _run_uri(spec: JobSpec, storage) -> str:
     """The run folder as a URI (same place Ray Train keeps the run), e.g. s3://bucket/runs/<run name>."""
-    from elastic.storage import parse_uri
-
     location = parse_uri(spec.checkpoint.uri)
     path = storage.experiment_fs_path
     return f"{location.scheme}://{path}" if location.is_object_store else path
