@@ -28,8 +28,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from fsspec.asyn import sync
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+from torch.utils.serialization import config
 
 from elastic.checkpoint.store import DCP_METADATA, file_ends
 
@@ -64,8 +68,6 @@ def _without_zip_crc() -> Generator[None, None, None]:
     transfer is checked anyway: botocore sends a CRC32 of each PUT, which S3 verifies. The setting is global,
     so it is off while any save of this process writes, and a concurrent torch.save elsewhere in the
     process writes zero CRCs too (harmless for torch.load)."""
-    from torch.utils.serialization import config
-
     global _crc_writers
     with _crc_lock:
         if _crc_writers == 0:
@@ -120,7 +122,6 @@ class ObjectStoreFileSystem(FileSystem):
         size = stream.seek(0, io.SEEK_END)
         stream.seek(0)
         if size < SINGLE_PUT_BYTES and _is_s3(self.fs):
-            from fsspec.asyn import sync
 
             bucket, key, _ = self.fs.split_path(path)
             sync(self.fs.loop, self.fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=stream)
@@ -203,8 +204,6 @@ class ObjectStoreReader(FsspecReader):
         self.group = process_group
 
     def _exchanging(self) -> bool:
-        import torch.distributed as dist
-
         return self.group is not None and dist.is_initialized() and dist.get_world_size(self.group) > 1
 
     def prepare_global_plan(self, plans):
@@ -230,8 +229,6 @@ class ObjectStoreReader(FsspecReader):
         return [dataclasses.replace(plan, storage_data=order) for plan in plans]
 
     def read_data(self, plan, planner):
-        import torch.distributed as dist
-
         shared: list[SharedFile] = list(plan.storage_data or []) if self._exchanging() else []
         rank = dist.get_rank(self.group) if shared else 0
         needed = {self.storage_data[item.storage_index].relative_path for item in plan.items}
@@ -263,9 +260,6 @@ class ObjectStoreReader(FsspecReader):
                   arrivals: dict[str, Future]) -> None:
         """Every rank walks the same list: the owner broadcasts a flag (did its read succeed?) and then the
         file's bytes; a failed read fails the load on every rank instead of leaving them waiting."""
-        import torch
-        import torch.distributed as dist
-
         for shared_file in shared:
             source = dist.get_global_rank(self.group, shared_file.owner)
             flag = torch.zeros(1, dtype=torch.int64)
@@ -296,6 +290,7 @@ class ObjectStoreReader(FsspecReader):
 
 def _is_s3(fs) -> bool:
     try:
+        # s3fs is optional: a local-only install has no S3 client.
         from s3fs import S3FileSystem
     except ImportError:
         return False

@@ -66,7 +66,7 @@ def client(target: Target):
     if target.local is not None:
         # Our local stack decides its auth mode; CLI and cluster must agree (RAY-NOTES.md).
         os.environ.update({k: v for k, v in target.local.env().items() if k == "RAY_AUTH_MODE"})
-    from ray.job_submission import JobSubmissionClient
+    from ray.job_submission import JobSubmissionClient  # ray only when a cluster is asked: the CLI starts fast
 
     try:
         return JobSubmissionClient(target.address)
@@ -114,7 +114,7 @@ def driver_placement(target: Target) -> dict[str, str] | None:
     Ray's default: a selector nothing matches would leave the job pending forever."""
     selector = labels.driver_selector()
     try:
-        from ray.util.state import list_nodes
+        from ray.util.state import list_nodes  # as above
 
         nodes = list_nodes(address=target.address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
     except Exception:  # the state API is unavailable (minimal dashboard, old Ray): leave Ray's default
@@ -213,7 +213,7 @@ def _check_storage_from_client(spec: JobSpec, target: Target) -> None:
             os.environ.update(saved)
         return
     try:
-        import boto3
+        import boto3  # only for an S3 check from the client
 
         has_credentials = boto3.Session().get_credentials() is not None
     except Exception:  # no boto config at all: nothing to check with

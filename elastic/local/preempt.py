@@ -74,7 +74,7 @@ def select_nodes(state: local.LocalState, node: str | None = None, pick_random: 
 def _nodes_with_training_workers(state: local.LocalState) -> set[str]:
     """Nodes running a Ray Train worker now (a reclaim of an idle node shows nothing)."""
     try:
-        from ray.util.state import list_actors
+        from ray.util.state import list_actors  # ray only when a cluster is there to ask: the CLI starts fast
 
         actors = list_actors(address=state.dashboard_url, filters=[("state", "=", "ALIVE")],
                              raise_on_missing_output=False)

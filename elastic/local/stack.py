@@ -271,7 +271,7 @@ def _start_spot_daemons(node: dict, state: LocalState, env: dict, logs: Path, ti
 
 
 def _wait_for_nodes(state: LocalState, plan: list[NodePlan], timeout: float) -> list[dict]:
-    from ray.util.state import list_nodes
+    from ray.util.state import list_nodes  # ray only once nodes are started: the CLI starts fast
 
     by_name = {n.name: n for n in plan}
     deadline = time.monotonic() + timeout
@@ -318,7 +318,7 @@ def _check_roots_alive(state: LocalState) -> None:
 
 
 def _create_bucket(state: LocalState) -> None:
-    import boto3
+    import boto3  # only when the stack starts: the CLI starts fast
 
     client = boto3.client("s3", endpoint_url=state.s3_endpoint, region_name="us-east-1",
                           aws_access_key_id=LOCAL_AWS_KEY, aws_secret_access_key=LOCAL_AWS_KEY)
@@ -442,7 +442,7 @@ def _wait_for_port(port: int, timeout: float, what: str, log: Path) -> None:
 
 def _cuda_available() -> bool:
     try:
-        import torch
+        import torch  # optional here, and slow to import: only to tell whether CUDA is there
 
         return torch.cuda.is_available()
     except ImportError:

@@ -72,6 +72,7 @@ class RayDrainer:
         self._client = None
 
     def gcs_address(self) -> str:
+        # Ray's internals only once a drain is needed: `elastic watch-preemption` polls for hours without them.
         from ray._private import services
 
         try:

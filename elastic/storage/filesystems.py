@@ -82,6 +82,7 @@ def fsspec_filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
 
 def pyarrow_filesystem(uri: str):
     """A pyarrow filesystem and path for Ray Train's RunConfig(storage_filesystem=..., storage_path=...)."""
+    # pyarrow only for Ray Train's storage: the CLI's storage checks should start fast.
     import pyarrow.fs as pafs
 
     location = parse_uri(uri)

@@ -21,6 +21,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 # Before any save has been timed: assume a slow one rather than miss the deadline.
 DEFAULT_SAVE_SECONDS = 5.0
 
@@ -91,6 +94,7 @@ def read_ray_notice() -> Notice | None:
 
     Reads Ray Train's worker context directly, without the barrier. If a Ray upgrade moves it, the just-in-time
     checkpoint is off (Ray's own restart from the last checkpoint still works) and the session says so once."""
+    # Ray Train's context exists only inside a Ray Train worker; imported there, at the call.
     from ray.train.v2._internal.execution.context import get_train_context
 
     info = get_train_context().preemption_context.preemption_info
@@ -104,9 +108,6 @@ class NoticeChannel:
     """Every rank learns, one step late and without waiting, the step rank 0 chose for the save (0: none)."""
 
     def __init__(self, rank: int, group=None):
-        import torch
-        import torch.distributed as dist
-
         self._rank = rank
         self._group = group
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -115,8 +116,6 @@ class NoticeChannel:
 
     def exchange(self, proposal: int) -> int:
         """Returns the value rank 0 proposed at the previous call; sends this call's proposal (rank 0's counts)."""
-        import torch.distributed as dist
-
         if not self._distributed:
             agreed, self._buffer[0] = int(self._buffer[0]), proposal
             return agreed

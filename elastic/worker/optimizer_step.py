@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing as wrap
 
 from elastic.config.spec import TrainSpec
 from elastic.errors import NonFiniteLoss
@@ -99,10 +100,6 @@ def apply_activation_checkpointing(model: torch.nn.Module,
     a tuple of module types; by default every direct child of the model. Returns how many were wrapped.
 
     The wrapper strips its own prefix from state_dict keys, so checkpoints load with or without it."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        apply_activation_checkpointing as wrap,
-    )
-
     if layers is None:
         children = {id(child) for child in model.children()}
         check = lambda module: id(module) in children  # noqa: E731

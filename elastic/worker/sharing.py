@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import ray
 import torch
 import torch.distributed as dist
 
@@ -123,8 +124,6 @@ def _parse_injection(text: str) -> tuple[int, float] | None:
 
 
 def _check_distinct_gpus(session, fs, root: str) -> None:
-    import ray
-
     mine = {"rank": session.rank, "node": session.node_id,
             "gpus": [str(g) for g in ray.get_gpu_ids()], "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
     everyone = [None] * session.world_size
