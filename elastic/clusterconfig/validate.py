@@ -4,7 +4,7 @@ Every check is a pure function from a loaded config to a list of `Problem`s, eac
 For `ray up` files Ray's own schema check runs first (on the config as `ray up` prepares it); ours then cover
 what this project relies on and what Ray does not check:
 
-- a spot and an on-demand GPU worker type exist, labeled as jobs select them (labels.py);
+- a spot and an on-demand GPU worker type exist, labeled as jobs select them (placement/labels.py);
 - the head is on-demand, labeled elastic-role=head, and offers no CPUs or GPUs to training;
 - spot types start `elastic watch-preemption` in the background;
 - Ray token authentication is on for every node, the token reaches the nodes, the dashboard is not bound to all

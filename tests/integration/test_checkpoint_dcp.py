@@ -1,4 +1,4 @@
-"""Integration tests for ShardedCheckpointer + CheckpointStore (elastic/checkpoint.py) against a real S3 API.
+"""Integration tests for ShardedCheckpointer + CheckpointStore (elastic/checkpoint/store.py) against a real S3 API.
 
 A moto S3 server runs for the module; every scenario runs real gloo process groups in processes started by
 torch.multiprocessing.spawn, with a small DDP model and Adam, exactly as a training worker would: the state

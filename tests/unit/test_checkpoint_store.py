@@ -1,4 +1,4 @@
-"""Unit tests for CheckpointStore (elastic/checkpoint.py) on the local filesystem: listing, commit markers,
+"""Unit tests for CheckpointStore (elastic/checkpoint/store.py) on the local filesystem: listing, commit markers,
 retention, crash safety of deletion and verification. No torch.distributed process group, no object store.
 
 Checkpoint folders are built by hand (a `.metadata` file and `__R_0.distcp` shards), except for the checks

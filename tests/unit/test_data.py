@@ -1,4 +1,4 @@
-"""Unit tests for elastic/data.py: exactly-once, resumable, resizable data loading (no Ray, local files only).
+"""Unit tests for elastic/data/loader.py: exactly-once, resumable, resizable data loading (no Ray, local files only).
 
 W ranks are simulated in one process: W loaders over the same dataset, stepped in lockstep as DDP would.
 """

@@ -1,4 +1,4 @@
-"""Unit tests for elastic/jit.py: when the just-in-time checkpoint is planned, from a fake clock and notices."""
+"""Unit tests for elastic/worker/jit.py: when the just-in-time checkpoint is planned, from a fake clock and notices."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests for elastic/packing.py: the pure packing policy."""
+"""Unit tests for elastic/sweep/packing.py: the pure packing policy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests for elastic/placement.py: the pure spot-first policy, the start-up wait with a fake clock, the swap
+"""Unit tests for elastic/placement/policy.py: the pure spot-first policy, the start-up wait with a fake clock, the swap
 watcher against a fake cluster, and the control objects in a run folder (local filesystem)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Unit tests for elastic/preempt.py's node selection (the reclaim itself runs in tests/integration)."""
+"""Unit tests for elastic/local/preempt.py's node selection (the reclaim itself runs in tests/integration)."""
 
 from __future__ import annotations
 

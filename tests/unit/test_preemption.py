@@ -1,5 +1,5 @@
-"""Unit tests for the preemption watcher (elastic/preemption.py, watcher.py, drain.py) against our own metadata servers over real
-HTTP on 127.0.0.1 (elastic/metadata_server.py). The clock and sleep are fakes: a poll interval of 5 s costs
+"""Unit tests for the preemption watcher (elastic/preemption/) against our own metadata servers over real
+HTTP on 127.0.0.1 (elastic/local/metadata_server.py). The clock and sleep are fakes: a poll interval of 5 s costs
 nothing; only the drainer is a recording stand-in for Ray (the real one is exercised in
 tests/integration/test_watch_preemption.py)."""
 

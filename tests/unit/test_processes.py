@@ -1,4 +1,4 @@
-"""Unit tests for elastic/processes.py: stop exactly the processes we marked, nothing else."""
+"""Unit tests for elastic/local/processes.py: stop exactly the processes we marked, nothing else."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests for elastic/spec.py: parsing, defaults, overrides, one-line error messages, schema, CLI exit codes."""
+"""Unit tests for elastic/config/spec.py: parsing, defaults, overrides, one-line error messages, schema, CLI exit codes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests for elastic/storage.py: URI parsing and filesystem construction, without any I/O."""
+"""Unit tests for elastic/storage/filesystems.py: URI parsing and filesystem construction, without any I/O."""
 
 from __future__ import annotations
 

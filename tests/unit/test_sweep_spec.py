@@ -1,4 +1,4 @@
-"""Unit tests for elastic/sweep_spec.py: the example sweep, defaults, trial jobs, one-line errors."""
+"""Unit tests for elastic/config/sweep_spec.py: the example sweep, defaults, trial jobs, one-line errors."""
 
 from __future__ import annotations
 
