@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # One auth mode for every Ray process, driver and CLI call of the local stack (see docs/local-cluster.md).
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install demo test test-unit test-integration down clean
+.PHONY: install demo lint test test-unit test-integration down clean
 
 install: $(VENV)/.installed
 
@@ -22,7 +22,13 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/elastic demo
 
+lint: install
+	$(BIN)/lint-imports
+	$(BIN)/ruff check elastic tests jobs bench
+
 test: install
+	$(BIN)/lint-imports
+	$(BIN)/ruff check elastic tests jobs bench
 	$(BIN)/python -m pytest tests
 
 test-unit: install

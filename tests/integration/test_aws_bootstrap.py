@@ -146,8 +146,13 @@ def test_bootstrap_keeps_scoped_instance_profiles_and_detected_gpus(bootstrapped
 def _launch(provider, config: dict, node_type: str, kind: str) -> str:
     """Launch one node as the autoscaler (workers) or `ray up` (head) does: the type's bootstrapped node_config
     (plus config["head_node"] for the head) and Ray's tags."""
-    from ray.autoscaler.tags import (TAG_RAY_LAUNCH_CONFIG, TAG_RAY_NODE_KIND, TAG_RAY_NODE_NAME,
-                                     TAG_RAY_NODE_STATUS, TAG_RAY_USER_NODE_TYPE)
+    from ray.autoscaler.tags import (
+        TAG_RAY_LAUNCH_CONFIG,
+        TAG_RAY_NODE_KIND,
+        TAG_RAY_NODE_NAME,
+        TAG_RAY_NODE_STATUS,
+        TAG_RAY_USER_NODE_TYPE,
+    )
 
     node_config = copy.deepcopy(config["available_node_types"][node_type]["node_config"])
     if kind == "head":

@@ -1,4 +1,4 @@
-"""Integration tests for ShardedCheckpointer + CheckpointStore (elastic/checkpoint.py) against a real S3 API.
+"""Integration tests for ShardedCheckpointer + CheckpointStore (elastic/checkpoint/store.py) against a real S3 API.
 
 A moto S3 server runs for the module; every scenario runs real gloo process groups in processes started by
 torch.multiprocessing.spawn, with a small DDP model and Adam, exactly as a training worker would: the state
@@ -158,7 +158,8 @@ def _worker(rank: int, world: int, port: int, env: dict, out: str, scenarios: li
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from elastic.checkpoint import CheckpointStore, ShardedCheckpointer
+    from elastic.checkpoint.checkpointer import ShardedCheckpointer
+    from elastic.checkpoint.store import CheckpointStore
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
@@ -214,7 +215,7 @@ def _scenario_load(rank, world, model, optimizer, store, checkpointer, out, args
 def _counting_reads(fail_on: int | None = None):
     """Patch the loader's whole-object read in this process: records the checkpoint files it fetches, and with
     `fail_on` raises on this rank's reads (a storage error during a load)."""
-    from elastic.dcp_io import ObjectStoreFileSystem
+    from elastic.checkpoint.dcp_io import ObjectStoreFileSystem
 
     fetched, real = [], ObjectStoreFileSystem.fetch
 
@@ -282,7 +283,7 @@ def _scenario_fail(rank, world, model, optimizer, store, checkpointer, out, args
 def _scenario_upload_fails_on_one_rank(rank, world, model, optimizer, store, checkpointer, out, args, report):
     """A good checkpoint, then a save whose shard uploads fail on rank 1 only: both ranks must fail alike (a
     rank that believed it committed would go on while the other retried a collective save alone)."""
-    from elastic.dcp_io import ObjectStoreFileSystem
+    from elastic.checkpoint.dcp_io import ObjectStoreFileSystem
 
     _train(model, optimizer, rank, 0, 1)
     checkpointer.save(args["good_step"], _state(model, optimizer), asynchronous=False)
@@ -466,7 +467,7 @@ def w3_run(s3_env, w2_run, tmp_path_factory):
 
 
 def test_async_save_at_w2_is_the_state_when_save_was_called(w2_run, s3_env):
-    from elastic.checkpoint import DCP_METADATA, MARKER, CheckpointStore
+    from elastic.checkpoint.store import DCP_METADATA, MARKER, CheckpointStore
 
     reports = w2_run["reports"]["save_async"]
     for report in reports:
@@ -524,7 +525,7 @@ def test_a_failed_read_on_one_rank_fails_the_load_on_every_rank(w2_run):
 
 
 def test_a_save_whose_upload_fails_never_commits(w2_run, s3_env):
-    from elastic.checkpoint import CheckpointStore
+    from elastic.checkpoint.store import CheckpointStore
 
     for report in w2_run["reports"]["fail"]:
         # whichever way the failure surfaces, no rank may believe the checkpoint committed
@@ -539,7 +540,7 @@ def test_a_save_whose_upload_fails_never_commits(w2_run, s3_env):
 
 
 def test_a_shard_upload_failing_on_one_rank_never_commits_and_every_rank_agrees(w2_run, s3_env):
-    from elastic.checkpoint import MARKER, CheckpointStore
+    from elastic.checkpoint.store import MARKER, CheckpointStore
 
     reports = w2_run["reports"]["upload_fails_on_one_rank"]
     for report in reports:
@@ -566,7 +567,7 @@ def test_a_failed_save_is_retried_and_reported_as_a_failed_result(w2_run):
 
 
 def test_a_process_killed_during_upload_leaves_the_previous_checkpoint_latest(w2_run, s3_env):
-    from elastic.checkpoint import MARKER, CheckpointStore
+    from elastic.checkpoint.store import MARKER, CheckpointStore
 
     reports = w2_run["reports"]["kill"]
     for report in reports:
@@ -585,7 +586,7 @@ def test_a_process_killed_during_upload_leaves_the_previous_checkpoint_latest(w2
 
 
 def test_a_process_killed_just_before_the_marker_leaves_the_previous_checkpoint_latest(w3_run, s3_env):
-    from elastic.checkpoint import DCP_METADATA, MARKER, CheckpointStore
+    from elastic.checkpoint.store import DCP_METADATA, MARKER, CheckpointStore
 
     reports = w3_run["kill_before_marker"]
     assert reports[0]["good"]["committed"] is True
@@ -606,7 +607,7 @@ def test_a_process_killed_just_before_the_marker_leaves_the_previous_checkpoint_
 
 
 def test_a_transient_marker_failure_on_rank_0_leaves_all_ranks_agreeing(w2_run):
-    from elastic.checkpoint import CheckpointStore
+    from elastic.checkpoint.store import CheckpointStore
 
     reports = w2_run["reports"]["commit_fails_once"]
     committed_in_store = CheckpointStore(RUN_FLAKY).info(7).committed
@@ -620,7 +621,7 @@ def test_a_transient_marker_failure_on_rank_0_leaves_all_ranks_agreeing(w2_run):
 
 def _commit_elsewhere(env: dict, run_uri: str, *steps: int) -> None:
     """Commit from another process (a training worker), as the real system does."""
-    code = ("import sys; from elastic.checkpoint import CheckpointStore; s = CheckpointStore(sys.argv[1]); "
+    code = ("import sys; from elastic.checkpoint.store import CheckpointStore; s = CheckpointStore(sys.argv[1]); "
             "[s.commit(int(a), 1) for a in sys.argv[2:]]")
     subprocess.run([sys.executable, "-c", code, run_uri, *map(str, steps)], env={**os.environ, **env},
                    check=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
@@ -631,7 +632,7 @@ def _write_folder(store, step: int) -> None:
 
 
 def test_a_commit_by_another_process_is_seen_by_a_store_that_listed_the_folder_before(s3_env):
-    from elastic.checkpoint import CheckpointStore
+    from elastic.checkpoint.store import CheckpointStore
 
     run_uri = f"s3://{BUCKET}/run-stale"
     store = CheckpointStore(run_uri)
@@ -644,7 +645,7 @@ def test_a_commit_by_another_process_is_seen_by_a_store_that_listed_the_folder_b
 
 
 def test_retain_never_deletes_a_checkpoint_another_process_committed(s3_env):
-    from elastic.checkpoint import CheckpointStore
+    from elastic.checkpoint.store import CheckpointStore
 
     run_uri = f"s3://{BUCKET}/run-stale-retain"
     store = CheckpointStore(run_uri)
@@ -662,7 +663,7 @@ def test_retain_never_deletes_a_checkpoint_another_process_committed(s3_env):
 
 
 def test_checkpoint_benchmark_measures_and_loads_back_exactly(s3_env):
-    from elastic.bench import bench_checkpoint
+    from elastic.bench.harness import bench_checkpoint
 
     result = bench_checkpoint(f"s3://{BUCKET}/bench", size_mb=8, workers=2, repeats=2)
     assert result.loaded_equal, "the benchmark's load did not give back the saved state"

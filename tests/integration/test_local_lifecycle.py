@@ -10,7 +10,7 @@ import sys
 import psutil
 import pytest
 
-from elastic.processes import MARKER_VARIABLE
+from elastic.local.processes import MARKER_VARIABLE
 
 pytestmark = pytest.mark.integration
 

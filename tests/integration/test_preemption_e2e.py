@@ -73,7 +73,7 @@ def preempt(cli, *args: str) -> dict:
 
 def final_tensors(stack, run: str) -> dict:
     """Model and optimizer tensors of the run's latest committed checkpoint, read from the bucket."""
-    from elastic.checkpoint import CheckpointStore
+    from elastic.checkpoint.store import CheckpointStore
 
     saved = dict(os.environ)
     os.environ.update(stack["env"])
@@ -140,8 +140,8 @@ def test_noticed_reclaim_resumes_from_the_just_in_time_checkpoint_with_nothing_l
 
 
 def test_two_spot_nodes_reclaimed_at_once_shrink_the_run_and_every_sample_is_seen_once(stack):
-    from elastic.audit import check_exactly_once, read_history
     from elastic.storage import fsspec_filesystem
+    from elastic.worker.audit import check_exactly_once, read_history
 
     cli = stack["cli"]
     run = Submission(cli, "--suffix", "shrink", "--set", f"config.epochs={EPOCHS}", "--set", "workers.min=1",

@@ -150,7 +150,7 @@ def test_the_swapped_run_is_bit_identical_to_an_uninterrupted_one(stack, monkeyp
     result = summary(stack["env"], stack["bucket"], run)
     assert result["metrics"]["step"] == FINAL_STEP and [p["market"] for p in result["placements"]] == ["spot"]
 
-    from elastic.checkpoint import CheckpointStore
+    from elastic.checkpoint.store import CheckpointStore
 
     for key, value in stack["env"].items():
         monkeypatch.setenv(key, value)

@@ -125,7 +125,7 @@ def load_final_state(env: dict, run_uri: str, step: int) -> dict:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from elastic.checkpoint import CheckpointStore
+    from elastic.checkpoint.store import CheckpointStore
 
     saved = dict(os.environ)
     os.environ.update(env)

@@ -16,8 +16,8 @@ def _rank(rank: int, world: int, store: str, out: str, precision: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from elastic.spec import TrainSpec
-    from elastic.training import NonFiniteGuard, OptimizerStep, grad_scaler
+    from elastic.config.spec import TrainSpec
+    from elastic.worker.optimizer_step import NonFiniteGuard, OptimizerStep, grad_scaler
 
     # A file store: no port picked ahead of time that another process could take in between.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

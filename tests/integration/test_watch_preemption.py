@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from elastic.metadata_server import MetadataServer
+from elastic.local.metadata_server import MetadataServer
 
 pytestmark = pytest.mark.integration
 

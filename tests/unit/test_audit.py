@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from elastic.audit import History, SampleLedger, check_exactly_once, read_history
-from elastic.chaos import Kill, format_plan, parse_plan
 from elastic.data import ResumableLoader, ResumableSampler
+from elastic.worker.audit import History, SampleLedger, check_exactly_once, read_history
+from elastic.worker.chaos import Kill, format_plan, parse_plan
 
 N, BATCH = 20, 3
 
@@ -82,7 +82,7 @@ def test_a_replayed_step_without_a_resume_shows_duplicates(tmp_path):
 
 def test_skipped_samples_and_missing_steps_are_named():
     history = History(num_samples=4)
-    from elastic.audit import StepRecord
+    from elastic.worker.audit import StepRecord
 
     history.steps[1] = StepRecord(1, "a", 1, {0: [(0, [0, 1])]}, {0: 1.0})
     history.steps[3] = StepRecord(3, "a", 2, {0: [(1, [0])]}, {0: 1.0})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.bench_recovery import _goodput
+from elastic.bench.recovery import _goodput
 
 
 class Timeline:

@@ -1,4 +1,4 @@
-"""Unit tests for CheckpointStore (elastic/checkpoint.py) on the local filesystem: listing, commit markers,
+"""Unit tests for CheckpointStore (elastic/checkpoint/store.py) on the local filesystem: listing, commit markers,
 retention, crash safety of deletion and verification. No torch.distributed process group, no object store.
 
 Checkpoint folders are built by hand (a `.metadata` file and `__R_0.distcp` shards), except for the checks
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.checkpoint import DCP_METADATA, MARKER, TOMBSTONE, CheckpointStore, Retention, prunable
+from elastic.checkpoint.store import DCP_METADATA, MARKER, TOMBSTONE, CheckpointStore, Retention, prunable
 
 # the single-process DCP save of the fixture below warns that no process group is initialized: intended
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -448,7 +448,7 @@ def test_each_save_records_why_it_was_written_in_its_marker(store, run):
     ls` shows it, so a resume from a just-in-time checkpoint is visible after the fact."""
     import torch
 
-    from elastic.checkpoint import ShardedCheckpointer
+    from elastic.checkpoint.checkpointer import ShardedCheckpointer
 
     checkpointer = ShardedCheckpointer(store, rank=0, world_size=1)
     state = {"model": {"w": torch.arange(6.0)}}

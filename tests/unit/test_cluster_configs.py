@@ -4,8 +4,8 @@ naming the key and the fix. Variants are made by mutating the loaded shipped YAM
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import yaml

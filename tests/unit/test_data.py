@@ -1,4 +1,4 @@
-"""Unit tests for elastic/data.py: exactly-once, resumable, resizable data loading (no Ray, local files only).
+"""Unit tests for elastic/data/loader.py: exactly-once, resumable, resizable data loading (no Ray, local files only).
 
 W ranks are simulated in one process: W loaders over the same dataset, stepped in lockstep as DDP would.
 """
@@ -241,7 +241,7 @@ def test_epochs_run_in_order_and_each_is_exactly_once(dataset):
         assert len(epochs) == 1
         per_epoch.setdefault(epochs.pop(), []).extend(i for _, batch in steps for i in indices_of(batch))
     assert sorted(per_epoch) == [0, 1, 2]
-    for epoch, indices in per_epoch.items():
+    for indices in per_epoch.values():
         assert_exactly_once(indices)
     assert per_epoch[0] != per_epoch[1]
     assert loaders[0].state_dict()["epoch"] == 3

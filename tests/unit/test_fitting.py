@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from elastic.trainer import _Fitting
+from elastic.driver.fitting import _Fitting
 
 
 class FakeTrainer:
@@ -65,8 +65,8 @@ def test_a_controller_that_tore_its_read_of_rays_run_snapshot_is_started_again()
     placement's controller rewrote it, and its controller died in its constructor."""
     from ray.train import ControllerError
 
-    from elastic.spec import JobSpec
-    from elastic.trainer import _controller_failed, _retry_controller_error
+    from elastic.config.spec import JobSpec
+    from elastic.driver.fitting import _controller_failed, _retry_controller_error
 
     torn = _controller_died_in_constructor("ray.train.v2._internal.exceptions.CheckpointManagerInitializationError: "
                                            "Unterminated string starting at: line 1 column 769 (char 768)")

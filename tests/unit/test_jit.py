@@ -1,8 +1,8 @@
-"""Unit tests for elastic/jit.py: when the just-in-time checkpoint is planned, from a fake clock and notices."""
+"""Unit tests for elastic/worker/jit.py: when the just-in-time checkpoint is planned, from a fake clock and notices."""
 
 from __future__ import annotations
 
-from elastic.jit import DEFAULT_SAVE_SECONDS, JitPlanner, JustInTime, NoJustInTime, Notice
+from elastic.worker.jit import DEFAULT_SAVE_SECONDS, JitPlanner, JustInTime, NoJustInTime, Notice
 
 
 class Clock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from elastic import local
+from elastic.local import stack as local
 
 
 class _ReusingSocket:

@@ -1,4 +1,4 @@
-"""Unit tests for elastic/packing.py: the pure packing policy."""
+"""Unit tests for elastic/sweep/packing.py: the pure packing policy."""
 
 from __future__ import annotations
 
@@ -6,9 +6,17 @@ import os
 
 import pytest
 
-from elastic.bench_packing import max_overlap
-from elastic.packing import (GB, Probe, bigger_share, concurrency_cap, fixed_plan, memory_cap, plan_packing,
-                             rank_placement)
+from elastic.bench.packing import max_overlap
+from elastic.sweep.packing import (
+    GB,
+    Probe,
+    bigger_share,
+    concurrency_cap,
+    fixed_plan,
+    memory_cap,
+    plan_packing,
+    rank_placement,
+)
 
 
 def probe(peak_gb: float, device_gb: float = 80, source: str = "measured") -> Probe:
@@ -74,7 +82,7 @@ def test_max_overlap():
 
 
 def test_oom_injection_knob_parses():
-    from elastic.sharing import _parse_injection
+    from elastic.worker.sharing import _parse_injection
 
     assert _parse_injection("") is None
     assert _parse_injection("12:0.5") == (12, 0.5)
@@ -86,7 +94,7 @@ def test_oom_injection_knob_parses():
 def test_injected_oom_fires_only_below_the_share():
     import torch
 
-    from elastic.sharing import _ProbeDone, _StepWatch
+    from elastic.worker.sharing import _ProbeDone, _StepWatch
 
     class FakeSession:  # what _StepWatch uses of a session: step() and step_count
         step_count = 0

@@ -1,14 +1,15 @@
-"""Unit tests for elastic/placement.py: the pure spot-first policy, the start-up wait with a fake clock, the swap
+"""Unit tests for elastic/placement/policy.py: the pure spot-first policy, the start-up wait with a fake clock, the swap
 watcher against a fake cluster, and the control objects in a run folder (local filesystem)."""
 
 from __future__ import annotations
 
 import pytest
 
-from elastic.placement import (GrowWatcher, NodeView, PlacementControl, PlacementWatch, SwapWatcher, decide_grow,
-                               decide_start, decide_swap, decide_workers, placement_watch, NoPlacementWatch,
-                               wait_for_spot, wait_for_workers, worker_slots)
-from elastic.spec import WorkersSpec
+from elastic.config.spec import WorkersSpec
+from elastic.driver.capacity import GrowWatcher, SwapWatcher, wait_for_spot, wait_for_workers
+from elastic.placement.control import PlacementControl
+from elastic.placement.policy import NodeView, decide_grow, decide_start, decide_swap, decide_workers, worker_slots
+from elastic.worker.placement_watch import NoPlacementWatch, PlacementWatch, placement_watch
 
 
 def node(market: str, cpus: float = 1.0, gpus: float = 0.0, role: str = "worker", draining: bool = False,
@@ -243,7 +244,7 @@ def test_swap_watcher_requests_once_and_withdraws_if_spot_goes_away(tmp_path, ca
     cluster["nodes"] = cluster["nodes"][:2]
     watcher.poll_once()
     assert not control.end_requested("p1") and not watcher.requested
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[elastic] placement:")]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[elastic] placement:")]
     assert len(lines) == 2 and "swap:" in lines[0] and "request withdrawn" in lines[1]
 
 
@@ -269,7 +270,7 @@ def test_other_markets_keep_their_defaults(market):
 
 
 def test_driver_selector_matches_the_on_demand_head_only():
-    from elastic.labels import driver_selector, matches
+    from elastic.placement.labels import driver_selector, matches
 
     head = {"market": "on-demand", "elastic-role": "head", "elastic-node": "head"}
     assert matches(head, driver_selector())
@@ -279,8 +280,8 @@ def test_driver_selector_matches_the_on_demand_head_only():
 
 
 def test_add_node_needs_a_running_stack_and_a_known_market(tmp_path, monkeypatch):
-    from elastic import local
     from elastic.errors import ClusterError
+    from elastic.local import stack as local
 
     monkeypatch.setenv("ELASTIC_HOME", str(tmp_path))
     with pytest.raises(ClusterError, match="no local stack running; start one with `elastic local up`"):
@@ -350,5 +351,5 @@ def test_grow_watcher_waits_for_a_steady_reading_and_never_flaps(tmp_path, capsy
     cluster["nodes"] = []
     watcher.poll_once()  # capacity gone before the checkpoint: withdrawn
     assert not control.end_requested("p1")
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[elastic] placement:")]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[elastic] placement:")]
     assert len(lines) == 2 and "growing 1 -> 2" in lines[0] and "request withdrawn" in lines[1]

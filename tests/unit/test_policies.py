@@ -11,18 +11,14 @@ from pathlib import Path
 import pytest
 from ray.train import FailureConfig, ScalingConfig
 
+from elastic.config.entrypoint import check_entrypoint
+from elastic.config.spec import CheckpointSpec, FailureSpec, JobSpec, WorkersSpec
+from elastic.driver.ray_config import failure_config, scaling_config, torch_backend
 from elastic.errors import ClusterError, SpecError
-from elastic.labels import MARKET_LABEL, ROLE_LABEL, worker_selector
-from elastic.local import NodePlan, plan_nodes
-from elastic.session import CheckpointCadence
-from elastic.spec import CheckpointSpec, FailureSpec, JobSpec, WorkersSpec
-from elastic.trainer import (
-    check_entrypoint,
-    failure_config,
-    resolve_entrypoint,
-    scaling_config,
-    torch_backend,
-)
+from elastic.local.stack import NodePlan, plan_nodes
+from elastic.placement.labels import MARKET_LABEL, ROLE_LABEL, worker_selector
+from elastic.worker.entrypoint import resolve_entrypoint
+from elastic.worker.session import CheckpointCadence
 
 
 class FakeClock:

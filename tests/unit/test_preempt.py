@@ -1,4 +1,4 @@
-"""Unit tests for elastic/preempt.py's node selection (the reclaim itself runs in tests/integration)."""
+"""Unit tests for elastic/local/preempt.py's node selection (the reclaim itself runs in tests/integration)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 import pytest
 
 from elastic.errors import ClusterError
-from elastic.local import LocalState
-from elastic.preempt import select_nodes
+from elastic.local.preempt import select_nodes
+from elastic.local.stack import LocalState
 
 
 def state() -> LocalState:

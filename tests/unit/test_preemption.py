@@ -1,5 +1,5 @@
-"""Unit tests for the preemption watcher (elastic/preemption.py, watcher.py, drain.py) against our own metadata servers over real
-HTTP on 127.0.0.1 (elastic/metadata_server.py). The clock and sleep are fakes: a poll interval of 5 s costs
+"""Unit tests for the preemption watcher (elastic/preemption/) against our own metadata servers over real
+HTTP on 127.0.0.1 (elastic/local/metadata_server.py). The clock and sleep are fakes: a poll interval of 5 s costs
 nothing; only the drainer is a recording stand-in for Ray (the real one is exercised in
 tests/integration/test_watch_preemption.py)."""
 
@@ -20,11 +20,11 @@ import pytest
 from click.testing import CliRunner
 
 from elastic.cli import cli, main
-from elastic.drain import DrainError, DrainOutcome, NodeView, pick_local_node
 from elastic.errors import ClusterError, MetadataUnavailable
-from elastic.metadata_server import MetadataServer, post_admin
-from elastic.preemption import AwsSource, AzureSource, GcpSource, detect_provider
-from elastic.watcher import WatchConfig, Watcher, backoff_delay, drain_deadline, watch
+from elastic.local.metadata_server import MetadataServer, post_admin
+from elastic.preemption.drain import DrainError, DrainOutcome, NodeView, pick_local_node
+from elastic.preemption.notices import AwsSource, AzureSource, GcpSource, detect_provider
+from elastic.preemption.watcher import WatchConfig, Watcher, backoff_delay, drain_deadline, watch
 
 NODE = "ab" * 28
 ACTION = AwsSource.ACTION
@@ -434,7 +434,7 @@ def test_admin_endpoints_announce_and_clear_and_are_not_counted(aws, clock):
 
 def test_standalone_server_writes_its_port_and_takes_admin_requests(tmp_path: Path, clock):
     port_file = tmp_path / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "elastic.metadata_server", "--provider", "azure", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "elastic.local.metadata_server", "--provider", "azure", "--port", "0",
                              "--port-file", str(port_file), "--vm-name", "local-spot-0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

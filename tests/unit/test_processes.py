@@ -1,4 +1,4 @@
-"""Unit tests for elastic/processes.py: stop exactly the processes we marked, nothing else."""
+"""Unit tests for elastic/local/processes.py: stop exactly the processes we marked, nothing else."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import uuid
 import psutil
 import pytest
 
-from elastic import processes
-from elastic.processes import MARKER_VARIABLE, Launched
+from elastic.local import processes
+from elastic.local.processes import MARKER_VARIABLE, Launched
 
 # A daemon that forks a child (as `ray start --block` forks raylets); both sleep.
 _DAEMON = [

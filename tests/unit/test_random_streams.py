@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from elastic.audit import History, StepRecord, first_divergence
-from elastic.chaos import Chaos, Kill
-from elastic.checkpoint import CheckpointStore
+from elastic.checkpoint.store import CheckpointStore
 from elastic.data import ResumableLoader, ResumableSampler, sample_seed
-from elastic.jit import Notice
-from elastic.session import capture_rng, restore_rng
-from elastic.verify import kill_points
+from elastic.diagnostics.verify import kill_points
+from elastic.worker.audit import History, StepRecord, first_divergence
+from elastic.worker.chaos import Chaos, Kill
+from elastic.worker.jit import Notice
+from elastic.worker.session import capture_rng, restore_rng
 
 
 class Augmented(Dataset):

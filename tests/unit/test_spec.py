@@ -1,4 +1,4 @@
-"""Unit tests for elastic/spec.py: parsing, defaults, overrides, one-line error messages, schema, CLI exit codes."""
+"""Unit tests for elastic/config/spec.py: parsing, defaults, overrides, one-line error messages, schema, CLI exit codes."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from elastic.errors import SpecError
-from elastic.spec import (
+from elastic.config.spec import (
     CheckpointSpec,
     FailureSpec,
     JobSpec,
@@ -25,6 +24,7 @@ from elastic.spec import (
     load_job_spec,
     parse_job_spec,
 )
+from elastic.errors import SpecError
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "jobs" / "digits_ddp.yaml"

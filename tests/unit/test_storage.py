@@ -1,4 +1,4 @@
-"""Unit tests for elastic/storage.py: URI parsing and filesystem construction, without any I/O."""
+"""Unit tests for elastic/storage/filesystems.py: URI parsing and filesystem construction, without any I/O."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import os
 import pyarrow.fs as pafs
 import pytest
 
-from elastic import storage
 from elastic.errors import StorageError
 from elastic.storage import StorageLocation, check_storage, fsspec_options, parse_uri, pyarrow_filesystem
+from elastic.storage import filesystems as storage
 
 _AWS_VARIABLES = [
     "AWS_ENDPOINT_URL",

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import ray.cloudpickle as cloudpickle
 from ray.tune.schedulers import TrialScheduler
 
-from elastic.sweep import SchedulerState, scheduler
-from elastic.sweep_spec import parse_sweep_spec
+from elastic.config.sweep_spec import parse_sweep_spec
+from elastic.sweep.runner import SchedulerState, scheduler
 
 SWEEP = """\
 name: s

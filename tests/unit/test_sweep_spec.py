@@ -1,4 +1,4 @@
-"""Unit tests for elastic/sweep_spec.py: the example sweep, defaults, trial jobs, one-line errors."""
+"""Unit tests for elastic/config/sweep_spec.py: the example sweep, defaults, trial jobs, one-line errors."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from elastic.config.sweep_spec import load_sweep_spec, parse_sweep_spec, sweep_schema, trial_job
 from elastic.errors import SpecError
-from elastic.sweep_spec import load_sweep_spec, parse_sweep_spec, sweep_schema, trial_job
 
 REPO = Path(__file__).resolve().parents[2]
 

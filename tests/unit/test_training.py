@@ -10,10 +10,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from elastic.config.spec import TrainSpec
 from elastic.errors import NonFiniteLoss
-from elastic.spec import TrainSpec
-from elastic.training import (NoScaler, NonFiniteGuard, OptimizerStep, apply_activation_checkpointing,
-                              autocast_forward, grad_scaler)
+from elastic.worker.optimizer_step import (
+    NonFiniteGuard,
+    NoScaler,
+    OptimizerStep,
+    apply_activation_checkpointing,
+    autocast_forward,
+    grad_scaler,
+)
 
 CPU = torch.device("cpu")
 

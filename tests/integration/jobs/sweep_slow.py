@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from elastic.trainer import resolve_entrypoint
+from elastic.worker.entrypoint import resolve_entrypoint
 
 
 def train(session) -> None:

@@ -1,0 +1,185 @@
+"""`elastic bench ...`: checkpoint, overhead, packing and recovery benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+
+import click
+from rich.table import Table
+
+from elastic.cli.common import console, print_json
+from elastic.errors import UserError
+
+
+@click.group("bench")
+def bench_group() -> None:
+    """Benchmarks: ours and the baseline side by side in one run, as ratios (run them on your own bucket)."""
+
+
+def _bench_target(uri: str | None, folder: str) -> str:
+    """--uri, else the local stack's bucket (whose endpoint and credentials this process then uses)."""
+    import os
+
+    from elastic.local import stack as local
+
+    state = local.running_state()
+    if state is not None and not os.environ.get("AWS_ENDPOINT_URL"):
+        os.environ.update(state.env())
+    if uri:
+        return uri
+    if state is None:
+        raise UserError("no --uri and no local stack; pass --uri s3://BUCKET/PREFIX or run `elastic local up`")
+    return f"s3://{state.bucket}/{folder}"
+
+
+def _show_bench(title: str, result: dict, ratios: dict[str, float]) -> None:
+    table = Table("measure", "value")
+    for key, value in result.items():
+        table.add_row(key, str(value))
+    console.print(f"[bold]{title}[/]")
+    console.print(table)
+    for key, target in ratios.items():
+        value = result[key]
+        lower = key in ("stall_ratio", "overhead_ratio", "ckpt_overhead_ratio", "recovery_ratio")
+        ok = value <= target if lower else value >= target
+        console.print(f"{key} = {value} ({'meets' if ok else 'MISSES'} the target {'<=' if lower else '>='} {target})")
+
+
+@bench_group.command("checkpoint")
+@click.option("--uri", help="Where to write (default: the local stack's s3://BUCKET/bench).")
+@click.option("--size-mb", default=256.0, show_default=True, type=click.FloatRange(min=1), help="State size.")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1), help="Ranks (local processes).")
+@click.option("--repeats", default=7, show_default=True, type=click.IntRange(1),
+              help="Timed repeats; ratios are the median of each repeat's paired ratio.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, repeats: int, as_json: bool) -> None:
+    """Sharded async save and load against raw parallel multipart put/get of the same bytes.
+
+    \b
+    Example:
+      elastic bench checkpoint --size-mb 256 --workers 2 --json
+    """
+    from elastic.bench import harness as bench
+
+    result = bench.to_json(bench.bench_checkpoint(_bench_target(uri, "bench"), size_mb=size_mb, workers=workers,
+                                                        repeats=repeats))
+    if as_json:
+        print_json(result)
+    else:
+        _show_bench("checkpoint", result, {"throughput_ratio": 0.9, "load_ratio": 0.9, "stall_ratio": 0.02})
+
+
+@bench_group.command("overhead")
+@click.option("--uri", help="Checkpoint root for the harness (default: the local stack's s3://BUCKET/bench).")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--rounds", default=12, show_default=True, type=click.IntRange(1),
+              help="Timed blocks per variant (one of each per round, in rotating order).")
+@click.option("--steps", default=40, show_default=True, type=click.IntRange(20),
+              help="Steps per block (a multiple of the checkpoint interval, 20).")
+@click.option("--width", default=1024, show_default=True, type=click.IntRange(8), help="MLP width (model size).")
+@click.option("--batch", default=256, show_default=True, type=click.IntRange(1), help="Batch per worker.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_overhead_cmd(uri: str | None, workers: int, rounds: int, steps: int, width: int, batch: int,
+                       as_json: bool) -> None:
+    """Harness step time against a bare Ray Train DDP loop: checkpoints off, and async every 20 steps.
+
+    \b
+    Example:
+      elastic bench overhead --json
+    """
+    from elastic.bench import harness as bench
+
+    target = _bench_target(uri, "bench")
+    result = bench.to_json(bench.bench_overhead(target, workers=workers, rounds=rounds, steps=steps,
+                                                      width=width, batch=batch))
+    if as_json:
+        print_json(result)
+    else:
+        _show_bench("overhead", result, {"overhead_ratio": 1.02, "ckpt_overhead_ratio": 1.05})
+
+
+
+
+@bench_group.command("packing")
+@click.option("--share", default=0.25, show_default=True, type=click.FloatRange(0, 1, min_open=True),
+              help="GPU share of each trial.")
+@click.option("--trials", type=click.IntRange(1), help="Trials (default: 1/share per GPU of the cluster).")
+@click.option("--hold", "hold_s", default=180.0, show_default=True, type=click.FloatRange(1),
+              help="Longest a trial waits at the barrier for the others.")
+@click.option("--cpus", default=0.05, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="CPUs per trial worker (logical accounting).")
+@click.option("--market", default="any", show_default=True, type=click.Choice(["any", "spot", "on-demand"]),
+              help="Worker nodes whose GPUs the trials share.")
+@click.option("--compare", is_flag=True, help="Real GPUs: auto against whole-GPU trials (trials/hour, GPU util).")
+@click.option("--steps", default=300, show_default=True, type=click.IntRange(1), help="--compare: steps per trial.")
+@click.option("--width", default=1024, show_default=True, type=click.IntRange(8), help="--compare: MLP width.")
+@click.option("--batch", default=256, show_default=True, type=click.IntRange(1), help="--compare: batch size.")
+@click.option("--gpu-memory-gb", type=click.FloatRange(0, min_open=True),
+              help="--compare without CUDA (dry run): declared peak per trial on a 16 GB logical GPU.")
+@click.option("--uri", help="Storage root (default: the local stack's s3://BUCKET/bench).")
+@click.option("--json", "as_json", is_flag=True)
+def bench_packing_cmd(share: float, trials: int | None, hold_s: float, cpus: float, market: str, compare: bool,
+                      steps: int,
+                      width: int, batch: int, gpu_memory_gb: float | None, uri: str | None, as_json: bool) -> None:
+    """GPU sharing: concurrency reached against requested, and Tune's scheduling overhead (logical GPUs work);
+    with --compare, trials per hour and GPU utilization of `auto` against whole-GPU trials (real GPUs).
+
+    \b
+    Example:
+      elastic local up --spot 2 --on-demand 1 --gpus-per-node 2 --cpus-per-node 2
+      elastic bench packing --share 0.25 --json
+    """
+    from elastic.bench import packing as bench_packing
+    from elastic.sweep import runner as sweeps
+
+    target = _bench_target(uri, "bench")
+    sweeps.connect()
+    say = (lambda m: click.echo(f"[bench] {m}", err=True))
+    with contextlib.redirect_stdout(sys.stderr):  # Tune prints its own banners
+        if compare:
+            result = bench_packing.bench_compare(target, trials or 8, steps, width, batch, gpu_memory_gb, say)
+        else:
+            result = bench_packing.bench_concurrency(target, share, trials, hold_s, cpus, say, market)
+        sweeps.disconnect()
+    if as_json:
+        print_json(result)
+    else:
+        _show_bench("packing", {k: json.dumps(v) if isinstance(v, dict) else v for k, v in result.items()}, {})
+
+
+
+
+@bench_group.command("recovery")
+@click.option("--notice", default=20.0, show_default=True, type=click.FloatRange(1), help="Seconds of notice.")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--minutes", type=click.FloatRange(0), help="Also measure goodput over a run this long ...")
+@click.option("--every", default=120.0, show_default=True, type=click.FloatRange(10),
+              help="... with a noticed reclaim every this many seconds.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_recovery_cmd(notice: float, workers: int, minutes: float | None, every: float, as_json: bool) -> None:
+    """What a spot reclaim costs on the local cluster, ours against Ray Train's own restart of a bare loop:
+    steps lost with and without notice, seconds from node death to the first resumed step, and goodput.
+
+    \b
+    Example (about 5 minutes; with --minutes 10, 15):
+      elastic local up --spot 3 --on-demand 1
+      elastic bench recovery --json
+      elastic bench recovery --minutes 10 --every 120 --json
+    """
+    import dataclasses
+
+    from elastic.bench import recovery as bench_recovery
+
+    log = (lambda line: click.echo(line, err=True)) if as_json else click.echo
+    result = dataclasses.asdict(bench_recovery.bench_recovery(notice=notice, workers=workers, minutes=minutes,
+                                                              every=every, log=log))
+    if as_json:
+        print_json(result)
+    else:
+        targets = {"recovery_ratio": 1.1}
+        _show_bench("recovery", result, targets)
+        console.print(f"lost_steps_notice = {result['lost_steps_notice']} (target 0)")
+        if result["goodput"] is not None:
+            console.print(f"goodput = {result['goodput']} (target >= 0.9)")

@@ -1,0 +1,62 @@
+"""The `elastic` command: thin; every verb calls library functions.
+
+User errors print one line and exit 2; a job that fails exits 1.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from elastic.cli import bench, checkpoints, cluster, demo, jobs, local, preempt, spec, sweep, verify, watch
+from elastic.errors import ElasticError, JobFailed, UserError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="elastic-train")
+def cli() -> None:
+    """Elastic PyTorch training on spot and on-demand Ray clusters.
+
+    \b
+    Example:
+      elastic local up
+      elastic submit jobs/digits_ddp.yaml --follow
+      elastic local down
+    """
+
+
+
+for command in (local.local_group, spec.spec_group, jobs.submit_cmd, jobs.run_cmd, jobs.status_cmd, jobs.logs_cmd,
+                jobs.stop_cmd, checkpoints.checkpoints_group, verify.verify_resume_cmd, bench.bench_group,
+                sweep.sweep_cmd, demo.demo_cmd, cluster.cluster_group, preempt.preempt_cmd,
+                watch.watch_preemption_cmd):
+    cli.add_command(command)
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except UserError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(err.exit_code)
+    except JobFailed as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(1)
+    except ElasticError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
+

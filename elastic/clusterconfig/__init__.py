@@ -1,0 +1,1 @@
+"""Cluster configs: checks of `ray up` cluster configs and KubeRay manifests against Ray's schema and our rules."""

@@ -1,0 +1,109 @@
+"""Checks of cluster configs (`ray up` YAMLs for AWS and GCP, KubeRay RayCluster manifests) before they cost money.
+
+Every check is a pure function from a loaded config to a list of `Problem`s, each naming the key and the fix.
+For `ray up` files Ray's own schema check runs first (on the config as `ray up` prepares it); ours then cover
+what this project relies on and what Ray does not check:
+
+- a spot and an on-demand GPU worker type exist, labeled as jobs select them (placement/labels.py);
+- the head is on-demand, labeled elastic-role=head, and offers no CPUs or GPUs to training;
+- spot types start `elastic watch-preemption` in the background;
+- Ray token authentication is on for every node, the token reaches the nodes, the dashboard is not bound to all
+  interfaces and no port but SSH is opened to the world;
+- checkpoint storage named in the nodes' environment is an object store, not a node's disk;
+- cloud fields Ray passes through unchecked: AWS `InstanceMarketOptions` (Ray accepts `MarketType: spott`),
+  GCP `scheduling`, and for KubeRay the RayCluster schema, spot node selectors and tolerations, grace periods
+  and autoscaling.
+
+The policy on open ports: SSH (22) from anywhere is allowed because Ray's AWS bootstrap always adds it to the
+security group it creates and nodes accept keys only; any other port open to 0.0.0.0/0 or ::/0 is a problem.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import jsonschema
+import yaml
+from ray.autoscaler._private.util import fillout_defaults, prepare_config, validate_config
+
+from elastic.clusterconfig.kuberay import check_kuberay
+from elastic.clusterconfig.problems import ClusterConfigError, Problem, key_path, one_line, unique
+from elastic.clusterconfig.rules import check_ray_up
+
+__all__ = ["ClusterConfigError", "Problem", "config_kind", "load_config", "validate", "validate_file"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# entry points
+
+
+def load_config(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ClusterConfigError(f"{path}: cannot read it ({err.strerror or err})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ClusterConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', None) or err})") from None
+    if not isinstance(data, dict):
+        raise ClusterConfigError(f"{path}: expected a `ray up` config or a RayCluster manifest (a mapping)")
+    return data
+
+
+def config_kind(config: dict) -> str:
+    """'kuberay' for a RayCluster manifest, else the `ray up` provider type ('aws', 'gcp', ...)."""
+    if config.get("kind") == "RayCluster" or str(config.get("apiVersion", "")).startswith("ray.io/"):
+        return "kuberay"
+    provider = config.get("provider")
+    if isinstance(provider, dict) and isinstance(provider.get("type"), str):
+        return provider["type"]
+    return "unknown"
+
+
+def validate_file(path: str | Path) -> tuple[str, list[Problem]]:
+    config = load_config(path)
+    return config_kind(config), validate(config)
+
+
+def validate(config: dict) -> list[Problem]:
+    kind = config_kind(config)
+    if kind == "kuberay":
+        return unique(check_kuberay(config))
+    if kind == "unknown":
+        return [Problem("provider.type", "no provider.type and not a RayCluster manifest; this command checks "
+                                         "`ray up` configs (provider.type: aws or gcp) and KubeRay RayClusters")]
+    problems = ray_schema_problems(config)
+    if problems:  # our checks assume the shape Ray's schema guarantees
+        return problems
+    if kind not in ("aws", "gcp"):
+        return [Problem("provider.type", f"'{kind}' clusters are not covered by these checks; "
+                                         "use provider.type aws or gcp, or a KubeRay RayCluster")]
+    # Check what `ray up` will run: omitted top-level keys come from Ray's defaults for the provider.
+    full = fillout_defaults(copy.deepcopy(config))
+    return unique(check_ray_up(full, kind))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ray's own schema
+
+
+def ray_schema_problems(config: dict) -> list[Problem]:
+    """Ray's schema check, on the config as `ray up` prepares it (the raw YAML lacks fields Ray fills in)."""
+    quiet = logging.getLogger("ray.autoscaler._private.util")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # prepare_config logs routine INFO lines ("setting max workers ...")
+    try:
+        validate_config(prepare_config(copy.deepcopy(config)))
+    except jsonschema.ValidationError as err:
+        return [Problem(key_path(err.absolute_path) or "(top level)", f"{one_line(err.message)} (Ray's schema)")]
+    except Exception as err:  # Ray raises ValueError, KeyError, NotImplementedError...: report, don't crash
+        return [Problem("(config)", f"{one_line(str(err)) or type(err).__name__} (Ray's config check)")]
+    finally:
+        quiet.setLevel(level)
+    return []

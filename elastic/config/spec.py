@@ -1,0 +1,348 @@
+"""Job specs: one YAML file per job, parsed at the edge into frozen, validated config objects.
+
+Every problem becomes a `SpecError` whose one-line message names the file, the line, the field and the fix,
+e.g. ``jobs/x.yaml:9: workers.mx: unknown field; did you mean 'max'?``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from elastic.errors import SpecError
+
+Market = Literal["spot", "on-demand", "any", "spot-first"]
+
+_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+_ENTRYPOINT_PATTERN = r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorkersSpec(_Frozen):
+    """How many training workers, what each needs, and which nodes they may run on."""
+
+    min: int = Field(ge=1, description="Fewest workers the run trains with (it waits below this).")
+    max: Optional[int] = Field(
+        default=None, ge=1, description="Most workers; defaults to min. min < max makes the run elastic."
+    )
+    cpus: float = Field(default=1.0, gt=0, description="CPUs per worker.")
+    gpus: float = Field(default=0.0, ge=0, description="GPUs per worker (0 trains on CPU with gloo).")
+    market: Market = Field(
+        default="any",
+        description="Nodes the workers may use: spot, on-demand, any worker node, or spot-first (spot when it "
+                    "can be had within spot_wait_seconds, else on-demand, moving back to spot when it returns).",
+    )
+    spot_wait_seconds: float = Field(
+        default=120.0, ge=0,
+        description="spot-first: how long to wait for spot capacity for `min` workers before running on on-demand.",
+    )
+    swap_to_spot: bool = Field(
+        default=True,
+        description="spot-first: once on on-demand, move the workers to spot at the next checkpoint when spot "
+                    "capacity returns (no step is lost: the run resumes from that checkpoint).",
+    )
+    regrow_after_seconds: float = Field(
+        default=10.0, ge=0,
+        description="Elastic runs below max: grow at the next checkpoint once free capacity for more workers "
+                    "has been seen this long (a steady reading, so a node coming and going causes no resize).",
+    )
+
+    @field_validator("max")
+    @classmethod
+    def _max_not_below_min(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
+        low = info.data.get("min")
+        if value is not None and low is not None and value < low:
+            raise ValueError(f"max ({value}) is below min ({low}); set max >= min")
+        return value
+
+    @property
+    def max_workers(self) -> int:
+        return self.max if self.max is not None else self.min
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_workers > self.min
+
+
+class CheckpointSpec(_Frozen):
+    """Where and how often the run checkpoints."""
+
+    uri: str = Field(
+        min_length=1,
+        description="Storage root, e.g. s3://bucket/runs; the run writes under <uri>/<run name>/.",
+    )
+    every_steps: Optional[int] = Field(default=None, ge=1, description="Save every N optimizer steps.")
+    every_seconds: Optional[float] = Field(default=None, gt=0, description="Save every S seconds.")
+    keep: int = Field(default=3, ge=1, description="Committed checkpoints to keep.")
+    keep_every: Optional[int] = Field(
+        default=None, ge=1,
+        description="Also keep every committed checkpoint whose step is a multiple of N (milestones).",
+    )
+    just_in_time: bool = Field(
+        default=True,
+        description="When a node of the run is being reclaimed (a Ray drain, e.g. from a spot notice), keep "
+                    "training until just before the deadline, save once, and resume elsewhere from that save.",
+    )
+    jit_margin_seconds: float = Field(
+        default=2.0, ge=0,
+        description="Safety margin: the just-in-time save is planned to commit this long before the deadline.",
+    )
+
+    @model_validator(mode="after")
+    def _needs_a_cadence(self) -> CheckpointSpec:
+        if self.every_steps is None and self.every_seconds is None:
+            raise ValueError("set every_steps or every_seconds (or both)")
+        return self
+
+
+class FailureSpec(_Frozen):
+    """Restart budgets. Preemptions are counted apart from failures. -1 means unlimited."""
+
+    max_failures: int = Field(default=3, ge=-1, description="Restarts allowed after errors.")
+    max_preemptions: int = Field(default=20, ge=-1, description="Restarts allowed after spot preemptions.")
+
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+class TrainSpec(_Frozen):
+    """How `session.optimize(loss)` turns a loss into an optimizer step."""
+
+    precision: Precision = Field(
+        default="fp32",
+        description="fp32; bf16 (autocast); or fp16 (autocast plus a GradScaler whose state is checkpointed).",
+    )
+    grad_accumulation: int = Field(
+        default=1, ge=1, description="Micro-batches per optimizer step (DDP syncs gradients on the last only)."
+    )
+    grad_clip_norm: Optional[float] = Field(default=None, gt=0, description="Clip the gradient norm to this.")
+    max_nonfinite_steps: int = Field(
+        default=5, ge=1,
+        description="A step whose loss is NaN/inf is skipped and counted; this many in a row stop the run.",
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="Recompute activations in backward instead of storing them (less memory, more compute).",
+    )
+
+
+class RuntimeEnvSpec(_Frozen):
+    """Extra Ray runtime_env for the job: packages and environment variables."""
+
+    pip: list[str] = Field(default_factory=list, description="Extra pip requirements for driver and workers.")
+    env_vars: dict[str, str] = Field(default_factory=dict, description="Environment variables.")
+    excludes: list[str] = Field(
+        default_factory=list, description="Extra paths left out of the uploaded working_dir."
+    )
+
+    @field_validator("env_vars", mode="before")
+    @classmethod
+    def _scalars_as_strings(cls, value: Any) -> Any:
+        # `FOO: 1` in YAML (or --set ...FOO=1) means the string "1" to a process environment.
+        if isinstance(value, dict):
+            return {k: str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, (int, float)) else v
+                    for k, v in value.items()}
+        return value
+
+
+class JobSpec(_Frozen):
+    """One training job."""
+
+    name: str = Field(pattern=_NAME_PATTERN, description="Job name; the run name derives from it.")
+    entrypoint: str = Field(
+        pattern=_ENTRYPOINT_PATTERN,
+        description="path/to/file.py:function or package.module:function, called with `config` on every worker.",
+    )
+    config: dict[str, Any] = Field(default_factory=dict, description="Free mapping passed to the function.")
+    workers: WorkersSpec
+    checkpoint: CheckpointSpec
+    failure: FailureSpec = Field(default_factory=FailureSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    runtime_env: RuntimeEnvSpec = Field(default_factory=RuntimeEnvSpec)
+
+    def run_name(self, suffix: str | None = None) -> str:
+        """Deterministic run name: submitting the same job (and suffix) again resumes the same run."""
+        if not suffix:
+            return self.name
+        name = f"{self.name}-{suffix}"
+        if not re.fullmatch(_NAME_PATTERN, name):
+            raise SpecError(f"--suffix {suffix!r}: {_PATTERN_HINTS['name']} (the run name is {name!r})")
+        return name
+
+    @property
+    def entrypoint_target(self) -> str:
+        return self.entrypoint.rsplit(":", 1)[0]
+
+    @property
+    def entrypoint_function(self) -> str:
+        return self.entrypoint.rsplit(":", 1)[1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_job_spec(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> JobSpec:
+    """Read, override and validate a job YAML. Raises SpecError with one line on any problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such job file; check the path") from None
+    except OSError as err:
+        raise SpecError(f"{path}: cannot read job file ({err.strerror})") from None
+    return parse_job_spec(text, source=str(path), overrides=overrides)
+
+
+def parse_job_spec(text: str, source: str = "<job>", overrides: tuple[str, ...] | list[str] = ()) -> JobSpec:
+    return parse_spec(text, JobSpec, source, overrides, "a job file must be a YAML mapping with name, entrypoint, "
+                                                         "workers, checkpoint")
+
+
+def parse_spec(text: str, model: type[BaseModel], source: str, overrides: tuple[str, ...] | list[str],
+               not_a_mapping: str):
+    """YAML text -> `model`, with --set overrides; every problem one SpecError line (shared by job and sweep)."""
+    try:
+        raw = yaml.safe_load(text)
+        root = yaml.compose(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise SpecError(f"{where}: not valid YAML ({problem}); fix the syntax") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{source}: {not_a_mapping}")
+    raw = apply_overrides(raw, overrides)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        raise SpecError(_describe(err, model, root, source, overrides)) from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """Apply `dotted.path=value` overrides (values parsed as YAML) to a copy of the raw mapping."""
+    result = json.loads(json.dumps(raw, default=str))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set workers.min=1")
+        target = result
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            nxt = target.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise SpecError(f"--set {item!r}: {part} is not a mapping")
+            target = nxt
+        target[parts[-1]] = _override_value(value)
+    return result
+
+
+def _override_value(text: str) -> Any:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) and not text.strip().startswith(("'", '"')):  # '1' quoted stays a string
+        try:
+            return float(value)  # YAML 1.1 reads 1e-3 as a string; on a command line it means a number
+        except ValueError:
+            return value
+    return value
+
+
+def job_schema() -> dict[str, Any]:
+    """JSON Schema of job files, for editors (yaml-language-server) and CI checks."""
+    schema = JobSpec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "elastic job spec"
+    return schema
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Error messages
+
+
+def _describe(err: ValidationError, model: type[BaseModel], root: yaml.Node | None, source: str,
+              overrides: tuple[str, ...] | list[str] = ()) -> str:
+    # A misspelled required field yields "missing" and "unknown field" errors: the typo is the useful one.
+    errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    first = errors[0]
+    loc = tuple(first["loc"])
+    kind = first["type"]
+    dotted = ".".join(str(p) for p in loc) or "(root)"
+    if kind == "extra_forbidden":
+        allowed = _allowed_fields(model, loc[:-1])
+        line = _line_of(root, loc, key=True)
+        hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        fix = f"did you mean '{hint[0]}'?" if hint else f"allowed here: {', '.join(allowed)}"
+        message = f"{dotted}: unknown field; {fix}"
+    elif kind == "missing":
+        line = _line_of(root, loc[:-1], key=False)
+        message = f"{dotted}: required field is missing; add `{loc[-1]}:` to the file"
+    else:
+        line = _line_of(root, loc, key=False)
+        got = first.get("input")
+        shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+        text = _PATTERN_HINTS.get(first["type"] == "string_pattern_mismatch" and str(loc[-1]), None) \
+            or first["msg"].removeprefix("Value error, ")
+        message = f"{dotted}: {text}{shown}"
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    overridden = [o for o in overrides if dotted == o.partition("=")[0].strip()
+                  or dotted.startswith(o.partition("=")[0].strip() + ".")]
+    if overridden:
+        where = f"--set {overridden[-1]}"
+    else:
+        where = f"{source}:{line}" if line else source
+    return f"{where}: {message}{more}"
+
+
+_PATTERN_HINTS = {
+    "name": "use lowercase letters, digits, '.', '_' or '-' (up to 63), starting with a letter or digit",
+    "entrypoint": "use path/to/file.py:function or package.module:function",
+}
+
+
+def _allowed_fields(model: type[BaseModel], loc: tuple) -> list[str]:
+    current: Any = model
+    for part in loc:
+        if typing.get_origin(current) is dict:  # dict[str, Model] (a sweep's space): `part` is a key
+            current = typing.get_args(current)[1]
+            continue
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        current = field.annotation
+    return list(getattr(current, "model_fields", {}).keys())
+
+
+def _line_of(root: yaml.Node | None, loc: tuple, key: bool) -> int | None:
+    """1-based line of the node at `loc` (the key's line when key=True); the nearest parent's if absent."""
+    node, line = root, (root.start_mark.line + 1 if root is not None else None)
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
+            if match is None:
+                return line
+            node = match[1]
+            line = (match[0] if key else match[1]).start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def dump_schema() -> str:
+    return json.dumps(job_schema(), indent=2)
+

@@ -1,0 +1,343 @@
+"""`elastic verify-resume`: prove that a job resumes exactly, on the cluster it will run on.
+
+The job runs twice with a sample ledger on (elastic.worker.audit): once uninterrupted, once with K injected worker
+kills, some of them inside a checkpoint save (the checkpoint is torn; the restart must fall back to the one
+before), and N reclaim notices (`--notices`: the run ends its placement at a just-in-time checkpoint and the
+driver resumes it from there). With `--workers 2,1,2` the interrupted run also changes its worker count: a kill that exhausts the
+failure budget ends a segment, and the run is resubmitted at the next count, resuming resharded.
+
+It then compares: at a fixed worker count the final model and optimizer must be bit-identical to the
+uninterrupted run's; at any worker counts every sample of every epoch must have been trained on exactly
+once, and across a worker-count change the per-epoch loss must stay within a stated tolerance of the
+uninterrupted run's (the global batch changes with the worker count, so the trajectories legitimately differ).
+At a fixed worker count the report also names the first step whose loss left the baseline's, and the checkpoint
+the run had resumed from before it: where to look for state that a checkpoint does not carry.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from elastic.checkpoint.store import CheckpointStore
+from elastic.config.spec import JobSpec
+from elastic.driver import submit
+from elastic.driver.runs import read_summary, run_directory
+from elastic.errors import SpecError, UserError
+from elastic.local.stack import home_dir
+from elastic.worker.audit import (
+    AUDIT_VARIABLE,
+    Divergence,
+    History,
+    check_exactly_once,
+    first_divergence,
+    read_history,
+)
+from elastic.worker.chaos import KILL_AT_VARIABLE, Kill, format_plan
+
+# Across a worker-count change: |loss - baseline| <= REL * |baseline| + ABS for every epoch's mean loss. Loose
+# on purpose: fewer workers take more (smaller) optimizer steps per epoch and legitimately learn faster per
+# epoch (digits, 2 -> 1 -> 2 workers: epoch 1 at 0.22 against 0.44); what this catches is divergence, as
+# from a wrongly restored optimizer or learning-rate schedule, not a different but healthy trajectory.
+LOSS_REL_TOLERANCE = 0.5
+LOSS_ABS_TOLERANCE = 0.05
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Planning (pure)
+
+
+@dataclass(frozen=True)
+class KillPoint:
+    """A fault placed at a fraction of the run's samples: a kill (`ends_segment` kills switch the worker count)
+    or a reclaim notice."""
+
+    index: int
+    fraction: float
+    during_save: bool
+    ends_segment: bool
+    notice: bool = False
+
+
+def kill_points(kills: int, segments: int, notices: int = 0) -> list[KillPoint]:
+    """K kills and N notices spread evenly over the run, in that order (each notice lands between two kills
+    when there are enough of them); every other kill inside a checkpoint save; `segments - 1` kills (spread
+    evenly too) end a segment so the next one starts at another worker count."""
+    if kills < segments - 1:
+        raise UserError(f"--kills {kills} is too few for {segments} worker counts; "
+                        f"use --kills {segments - 1} or more (each change of worker count is a kill)")
+    ends = {round((j + 1) * kills / segments) - 1 for j in range(segments - 1)}
+    total = kills + notices
+    # Notices take evenly spaced slots among all the points; kills fill the rest in order.
+    notice_slots = {round((j + 1) * total / (notices + 1)) - 1 for j in range(notices)} if notices else set()
+    points, kill_index = [], 0
+    for slot in range(total):
+        fraction = (slot + 1) / (total + 1)
+        if slot in notice_slots:
+            points.append(KillPoint(slot, fraction, during_save=False, ends_segment=False, notice=True))
+        else:
+            points.append(KillPoint(slot, fraction, during_save=kill_index % 2 == 1,
+                                    ends_segment=kill_index in ends))
+            kill_index += 1
+    return points
+
+
+def kill_step(point: KillPoint, resumed_step: int, consumed: float, total: float, per_step: float,
+              every_steps: int) -> int:
+    """The global step at which `point` fires in a segment that resumed at `resumed_step` having consumed
+    `consumed` of `total` samples, taking `per_step` samples a step. Saves happen at multiples of every_steps."""
+    step = resumed_step + max(1, math.ceil((point.fraction * total - consumed) / per_step))
+    if point.during_save:
+        step = math.ceil(step / every_steps) * every_steps
+    return step
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Report
+
+
+@dataclass
+class RunReport:
+    run: str
+    status: str
+    final_step: int
+    workers: list[int]
+    restarts: int
+    kill_plan: list[str]
+    epoch_losses: dict[int, float]
+    samples_exactly_once: bool
+    problems: list[str]
+    seconds: float
+    just_in_time_ends: int = 0  # placements that ended at a just-in-time checkpoint (the run summary says)
+
+
+@dataclass
+class VerifyReport:
+    identical: bool
+    max_abs_diff: float
+    samples_exactly_once: bool
+    kills: int
+    kills_fired: int
+    notices: int
+    notices_fired: int
+    workers: list[int]
+    loss_within_tolerance: bool
+    loss_tolerance: str
+    max_epoch_loss_diff: float
+    passed: bool
+    problems: list[str]
+    baseline: RunReport
+    interrupted: RunReport
+    log: str = ""
+    tensors_compared: int = 0
+    criteria: str = field(default="")
+    # At a fixed worker count: the first step whose loss differs from the baseline's (None: none does).
+    first_loss_divergence: Divergence | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running
+
+
+class Verifier:
+    """Runs the two versions of a job through Ray's job API and compares them."""
+
+    def __init__(self, spec: JobSpec, target, working_dir: Path | None, log: TextIO,
+                 progress: Callable[[str], None], stamp: str | None = None):
+        if spec.checkpoint.every_steps is None:
+            raise SpecError("verify-resume places kills around checkpoints by step: set checkpoint.every_steps "
+                            "(e.g. --set checkpoint.every_steps=20)")
+        self.spec = spec
+        self.target = target
+        self.working_dir = working_dir
+        self.log = log
+        self.progress = progress
+        self.stamp = stamp or time.strftime("%m%d%H%M%S")
+
+    def run(self, kills: int, workers: list[int], notices: int = 0) -> VerifyReport:
+        points = kill_points(kills, len(workers), notices)
+        base_suffix, kill_suffix = f"verify-{self.stamp}-base", f"verify-{self.stamp}-kills"
+        baseline = self._segment(base_suffix, workers[0], [], max_failures=0)
+        base_history = self._history(baseline.run)
+        total = _samples(base_history, base_history.final_step)
+        per_rank_step = total / max(1, base_history.final_step * workers[0])
+
+        interrupted: RunReport | None = None
+        plan_text: list[str] = []
+        started = time.monotonic()
+        remaining = list(points)
+        just_in_time_ends = 0
+        for index, count in enumerate(workers):
+            mine = []
+            while remaining:
+                mine.append(remaining.pop(0))
+                if mine[-1].ends_segment:
+                    break
+            resumed = self._latest_step(kill_suffix)
+            consumed = _samples(self._history(self.spec.run_name(kill_suffix)), resumed) if resumed else 0
+            plan = [Kill(kill_step(p, resumed, consumed, total, per_rank_step * count, self.spec.checkpoint.every_steps),
+                         0 if p.notice else p.index % count, p.during_save, p.notice) for p in mine]
+            expected_end = resumed + math.ceil((total - consumed) / (per_rank_step * count))
+            _check_plan(plan, resumed, expected_end)
+            plan_text += [str(k) for k in plan]
+            last = index == len(workers) - 1
+            # A segment that must end at its last kill gets one failure fewer than it has kills (notices are
+            # preemptions, not failures).
+            killing = sum(1 for k in plan if not k.notice)
+            budget = killing if last else killing - 1
+            interrupted = self._segment(kill_suffix, count, plan, max_failures=budget, expect_failure=not last)
+            just_in_time_ends += interrupted.just_in_time_ends  # each segment's summary covers that segment
+        assert interrupted is not None
+        interrupted.just_in_time_ends = just_in_time_ends
+        interrupted.seconds = round(time.monotonic() - started, 1)
+        interrupted.kill_plan = plan_text
+        interrupted.workers = list(workers)
+        return self._compare(baseline, interrupted, kills, notices, workers)
+
+    # -- one submission
+    def _segment(self, suffix: str, workers: int, plan: list[Kill], max_failures: int,
+                 expect_failure: bool = False) -> RunReport:
+        env = {**self.spec.runtime_env.env_vars, AUDIT_VARIABLE: "1"}
+        if plan:
+            env[KILL_AT_VARIABLE] = format_plan(plan)
+        spec = self.spec.model_copy(update={
+            "workers": self.spec.workers.model_copy(update={"min": workers, "max": workers}),
+            "failure": self.spec.failure.model_copy(update={"max_failures": max_failures}),
+            "runtime_env": self.spec.runtime_env.model_copy(update={"env_vars": env}),
+        })
+        what = f"{workers} workers" + (f", kills at {format_plan(plan)}" if plan else ", uninterrupted")
+        self.progress(f"run {spec.run_name(suffix)}: {what}")
+        started = time.monotonic()
+        submitted = submit.submit(spec, self.target, suffix=suffix, working_dir=self.working_dir,
+                                  check_bucket=False)
+        self.log.write(f"\n===== {submitted.job_id}: {what}\n")
+        status = submit.follow(self.target, submitted.job_id, out=self.log)
+        self.log.flush()
+        seconds = round(time.monotonic() - started, 1)
+        if status != ("FAILED" if expect_failure else "SUCCEEDED"):
+            raise VerifyFailed(f"job {submitted.job_id} ended {status}, expected "
+                               f"{'FAILED (a worker-count switch)' if expect_failure else 'SUCCEEDED'}; "
+                               f"see {self.log.name}")
+        self.progress(f"run {spec.run_name(suffix)}: {status.lower()} after {seconds} s")
+        history = self._history(spec.run_name(suffix))
+        check = check_exactly_once(history)
+        summary = read_summary(spec, spec.run_name(suffix)) or {}
+        ends = sum(1 for p in summary.get("placements", []) if p.get("ended_by") == "preemption")
+        return RunReport(run=spec.run_name(suffix), status=status, final_step=history.final_step,
+                         workers=[workers], restarts=max(0, len(history.attempts) - 1), kill_plan=[],
+                         epoch_losses=history.epoch_losses(), samples_exactly_once=check.ok,
+                         problems=check.problems, seconds=seconds, just_in_time_ends=ends)
+
+    # -- storage
+    def _store(self, run_name: str) -> CheckpointStore:
+        return CheckpointStore(run_directory(self.spec, run_name))
+
+    def _history(self, run_name: str) -> History:
+        store = self._store(run_name)
+        return read_history(store.fs, store.root)
+
+    def _latest_step(self, suffix: str) -> int:
+        latest = self._store(self.spec.run_name(suffix)).latest_committed()
+        return latest.step if latest else 0
+
+    def _fired(self, run_name: str, kind: str) -> int:
+        """Faults of `kind` (kill, notice) that fired: each left a marker in the run folder."""
+        store = self._store(run_name)
+        store.fs.invalidate_cache(f"{store.root}/chaos")
+        return len(store.fs.glob(f"{store.root}/chaos/{kind}-*"))
+
+    # -- comparison
+    def _compare(self, baseline: RunReport, interrupted: RunReport, kills: int, notices: int,
+                 workers: list[int]) -> VerifyReport:
+        import torch
+
+        base_store, kill_store = self._store(baseline.run), self._store(interrupted.run)
+        base_latest, kill_latest = base_store.latest_committed(), kill_store.latest_committed()
+        problems: list[str] = []
+        a = base_store.read_tensors(base_latest.step) if base_latest else {}
+        b = kill_store.read_tensors(kill_latest.step) if kill_latest else {}
+        common = [k for k in a if k in b and a[k].shape == b[k].shape]
+        identical = bool(a) and a.keys() == b.keys() and len(common) == len(a) and \
+            all(torch.equal(a[k], b[k]) for k in common)
+        diffs = [(a[k].double() - b[k].double()).abs().max().item() for k in common if a[k].numel()]
+        max_abs_diff = max(diffs, default=float("inf"))
+        fired = self._fired(interrupted.run, "kill")
+        if fired != kills:
+            problems.append(f"{fired} of {kills} planned kills fired")
+        notices_fired = self._fired(interrupted.run, "notice")
+        if notices_fired != notices:
+            problems.append(f"{notices_fired} of {notices} planned reclaim notices fired")
+        elif interrupted.just_in_time_ends < notices:
+            problems.append(f"{notices} reclaim notices fired but {interrupted.just_in_time_ends} placements ended at "
+                            "a just-in-time checkpoint (is checkpoint.just_in_time off?)")
+        fixed = len(set(workers)) == 1
+        divergence = first_divergence(self._history(baseline.run), self._history(interrupted.run)) if fixed else None
+        if fixed and not identical:
+            changed = [k for k in common if not torch.equal(a[k], b[k])]
+            problems.append(f"final state differs from the uninterrupted run's in {len(changed) or 'all'} "
+                            f"tensors (e.g. {', '.join(changed[:3])}), max |diff| {max_abs_diff:.3g}")
+        if divergence is not None:
+            problems.append(f"the loss first left the baseline's at {divergence}")
+        diff, within = _loss_gap(baseline.epoch_losses, interrupted.epoch_losses)
+        if not fixed and not within:
+            problems.append(f"per-epoch loss moved by up to {diff:.3g}, beyond the tolerance")
+        for report in (baseline, interrupted):
+            problems += [f"{report.run}: {p}" for p in report.problems]
+        exactly_once = baseline.samples_exactly_once and interrupted.samples_exactly_once
+        return VerifyReport(
+            identical=identical, max_abs_diff=max_abs_diff, samples_exactly_once=exactly_once, kills=kills,
+            kills_fired=fired, notices=notices, notices_fired=notices_fired, workers=list(workers), loss_within_tolerance=within,
+            loss_tolerance=f"|loss - baseline| <= {LOSS_REL_TOLERANCE} * |baseline| + {LOSS_ABS_TOLERANCE} "
+                           "per epoch",
+            max_epoch_loss_diff=diff, passed=not problems, problems=problems, baseline=baseline,
+            interrupted=interrupted, log=self.log.name, tensors_compared=len(common), first_loss_divergence=divergence,
+            criteria=("bit-identical final model and optimizer, every sample once per epoch" if fixed else
+                      "every sample once per epoch, per-epoch loss within tolerance"),
+        )
+
+
+class VerifyFailed(UserError):
+    """A verification run did not end as planned (not a verdict on the comparison: that is the report)."""
+
+    exit_code = 1
+
+
+def _samples(history: History, up_to_step: int) -> int:
+    return sum(len(ix) for s, r in history.steps.items() if s <= up_to_step
+               for batches in r.batches.values() for _, ix in batches)
+
+
+def _check_plan(plan: list[Kill], resumed: int, end: int) -> None:
+    steps = [k.step for k in plan]
+    if steps != sorted(set(steps)) or (steps and (steps[0] <= resumed or steps[-1] >= end)):
+        raise UserError(f"the job is too short for these kills (planned at steps {steps} after a resume at "
+                        f"{resumed}, the run ends near step {end}); train longer (e.g. more epochs) or use fewer --kills")
+
+
+def _loss_gap(base: dict[int, float], other: dict[int, float]) -> tuple[float, bool]:
+    epochs = [e for e in base if e in other]
+    if not epochs:
+        return float("inf"), False
+    gaps = [abs(other[e] - base[e]) for e in epochs]
+    within = all(abs(other[e] - base[e]) <= LOSS_REL_TOLERANCE * abs(base[e]) + LOSS_ABS_TOLERANCE for e in epochs)
+    return max(gaps), within and len(epochs) == len(base)
+
+
+def default_log_path(stamp: str) -> Path:
+    folder = home_dir() / "verify"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"verify-{stamp}.log"
+
+
+def storage_environment(target) -> None:
+    """Read the runs' ledgers and checkpoints with the local stack's endpoint when that is the target."""
+    if target.local is not None and not os.environ.get("AWS_ENDPOINT_URL"):
+        os.environ.update(target.local.env())

@@ -1,0 +1,3 @@
+"""Driver: runs a job on a Ray cluster. Ray Train config from a spec (driver.ray_config), the placement loop
+(driver.fitting), capacity polling on Ray (driver.capacity), the run folder and summary (driver.runs) and job
+submission to a cluster (driver.submit)."""

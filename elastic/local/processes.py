@@ -1,0 +1,178 @@
+"""Start daemons we own and stop exactly those, never anything else on the machine.
+
+Every process we launch gets a marker variable in its environment; children (Ray's raylets, workers and job
+drivers) inherit it. Stopping a stack signals the processes that carry its marker and the process trees of
+the roots it recorded, so `ray stop`-style collateral damage cannot happen.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+MARKER_VARIABLE = "ELASTIC_LOCAL_STACK"
+
+
+def start_ticks(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (Linux), or None where /proc is not there.
+
+    psutil's create_time() is boot time plus this, and boot time is derived from the wall clock: when a VM's
+    clock is stepped (an NTP correction, a snapshot restored), every process's create_time moves with it and
+    a live daemon looks like a recycled PID. Ticks since boot never move.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22 (starttime) counted after the ")" that ends the command name, which may itself hold spaces.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A root process we started: enough to find it again and to be sure it is still the same process."""
+
+    pid: int
+    create_time: float
+    role: str
+    start_ticks: int | None = None
+
+    def to_dict(self) -> dict:
+        data = {"pid": self.pid, "create_time": self.create_time, "role": self.role}
+        if self.start_ticks is not None:
+            data["start_ticks"] = self.start_ticks
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Launched:
+        ticks = data.get("start_ticks")
+        return cls(pid=int(data["pid"]), create_time=float(data["create_time"]), role=str(data["role"]),
+                   start_ticks=None if ticks is None else int(ticks))
+
+    def process(self) -> psutil.Process | None:
+        try:
+            proc = psutil.Process(self.pid)
+            # A recycled PID belongs to someone else: compare start times before touching it.
+            ticks = start_ticks(self.pid) if self.start_ticks is not None else None
+            if ticks is not None:
+                return proc if ticks == self.start_ticks else None
+            if abs(proc.create_time() - self.create_time) > 1.0:
+                return None
+            return proc
+        except psutil.NoSuchProcess:
+            return None
+
+
+def launch(args: list[str], role: str, marker: str, env: dict[str, str], log_path: Path) -> Launched:
+    """Start a daemon in its own session (so it outlives the CLI) with the stack's marker in its environment."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **env, MARKER_VARIABLE: marker}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            args,
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return Launched(pid=proc.pid, create_time=psutil.Process(proc.pid).create_time(), role=role,
+                    start_ticks=start_ticks(proc.pid))
+
+
+def find_marked(marker: str) -> list[psutil.Process]:
+    """Every live process whose environment carries this stack's marker."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid == os.getpid():
+                continue
+            if proc.environ().get(MARKER_VARIABLE) == marker:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def stack_processes(marker: str, roots: list[Launched]) -> list[psutil.Process]:
+    """The roots we recorded, their descendants, and anything else carrying the marker."""
+    procs: dict[int, psutil.Process] = {}
+    for root in roots:
+        proc = root.process()
+        if proc is None:
+            continue
+        procs[proc.pid] = proc
+        try:
+            for child in proc.children(recursive=True):
+                procs[child.pid] = child
+        except psutil.NoSuchProcess:
+            pass
+    for proc in find_marked(marker):
+        procs[proc.pid] = proc
+    return [p for p in procs.values() if _alive(p)]
+
+
+def stop(marker: str, roots: list[Launched], grace_seconds: float = 8.0) -> int:
+    """SIGTERM the stack, then SIGKILL what is left after the grace period. Returns how many were stopped."""
+    procs = stack_processes(marker, roots)
+    if not procs:
+        return 0
+    # `ray start --block` tears its node down on SIGTERM; the rest get SIGKILL if they linger
+    # (Ray's node processes were seen ignoring SIGTERM).
+    for proc in procs:
+        _signal(proc, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace_seconds)
+    alive = [p for p in alive if _alive(p)]
+    # Children forked during the grace period still carry the marker.
+    stragglers = {p.pid: p for p in alive}
+    stragglers.update({p.pid: p for p in stack_processes(marker, roots)})
+    for proc in stragglers.values():
+        _signal(proc, signal.SIGKILL)
+    psutil.wait_procs(list(stragglers.values()), timeout=5)
+    return len({p.pid for p in procs} | set(stragglers))
+
+
+def wait_until_gone(marker: str, roots: list[Launched], timeout: float = 10.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = stack_processes(marker, roots)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+
+
+def kill_trees(roots: list[Launched]) -> int:
+    """SIGKILL roots and all their descendants at once, as a machine that vanishes would. Returns the count."""
+    procs: dict[int, psutil.Process] = {}
+    for root in roots:
+        proc = root.process()
+        if proc is None:
+            continue
+        try:
+            procs.update({p.pid: p for p in [proc, *proc.children(recursive=True)]})
+        except psutil.NoSuchProcess:
+            continue
+    for each in procs.values():
+        _signal(each, signal.SIGKILL)
+    psutil.wait_procs(list(procs.values()), timeout=5)
+    return len(procs)

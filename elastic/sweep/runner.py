@@ -1,0 +1,410 @@
+"""`elastic sweep`: Ray Tune over Ray Train V2, with trials packed onto shared GPUs.
+
+Each trial is a function trainable (its "driver": a small CPU fraction, on an on-demand node) that runs one
+TorchTrainer under a deterministic run name, `<sweep>-<trial id>`, so a restarted trial resumes from its own
+checkpoints. Its workers ask for the planned GPU share each and follow the job's market. An out-of-memory
+trial is retried, by its driver, with a bigger share (elastic.sweep.packing.bigger_share) and resumes from its last
+checkpoint. The experiment lives in storage: running the same sweep again restores it (Tuner.restore).
+
+Layout in storage: <root>/<sweep>/ is Tune's experiment folder; <root>/<sweep>/elastic-sweep.json holds the
+packing plan (so a restored sweep keeps it); trial runs live in <root>/<sweep>/train/<run name>/ with
+`elastic-trial.json` (attempts, shares, the checkpoint step each attempt resumed from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ray.tune import Callback
+
+from elastic.checkpoint.store import CheckpointStore
+from elastic.config.spec import JobSpec
+from elastic.config.sweep_spec import SweepSpec, _example_value, trial_job
+from elastic.driver.fitting import fit_run
+from elastic.driver.submit import DEFAULT_EXCLUDES
+from elastic.errors import ClusterError, ElasticError, UserError
+from elastic.local import stack as local
+from elastic.placement.labels import MARKET_LABEL, matches, worker_selector
+from elastic.storage import fsspec_filesystem, parse_uri, pyarrow_filesystem
+from elastic.sweep import packing
+from elastic.worker.sharing import OOM_FILE, PROBE_FILE, TrialSharing, read_marker
+
+PLAN_FILE = "elastic-sweep.json"
+TRIAL_FILE = "elastic-trial.json"
+GB = 1024 ** 3
+
+
+class TrialOutOfMemory(ElasticError):
+    """A trial ran out of memory at the whole-GPU share, or after max_oom_retries bigger shares."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Storage layout
+
+
+def experiment_uri(sweep: SweepSpec, job: JobSpec) -> str:
+    return parse_uri(sweep.storage or job.checkpoint.uri).child(sweep.name).uri
+
+
+def train_root(sweep: SweepSpec, job: JobSpec) -> str:
+    return parse_uri(experiment_uri(sweep, job)).child("train").uri
+
+
+def _read_json(uri: str) -> Any:
+    fs, path = fsspec_filesystem(uri)
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as handle:
+        return json.load(handle)
+
+
+def _write_json(uri: str, data: Any) -> None:
+    fs, path = fsspec_filesystem(uri)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "w") as handle:
+        json.dump(data, handle, indent=2, default=str)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plan: probe (auto) or the spec's share
+
+
+def prepare_plan(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> dict:
+    """The packing plan of this sweep: read back from storage when the sweep is restored, else planned now."""
+    uri = parse_uri(experiment_uri(sweep, job)).child(PLAN_FILE).uri
+    saved = _read_json(uri)
+    if saved is not None:
+        say(f"packing plan from {uri}: {saved['plan']['trials_per_gpu']} per GPU, share "
+            f"{saved['plan']['share']} ({saved['plan']['reason']})")
+        return saved
+    cfg = sweep.packing
+    probe = None
+    if not sweep.auto:
+        plan = packing.fixed_plan(float(sweep.gpu_share))
+    else:
+        probe = run_probe(sweep, job, say)
+        plan = packing.plan_packing(probe, headroom=cfg.headroom,
+                                    context_bytes=int(cfg.context_gb * GB) if probe.source == "measured" else 0,
+                                    max_per_gpu=cfg.max_per_gpu)
+    saved = {"plan": plan.to_json(), "probe": probe.to_json() if probe else None,
+             "strategy": packing.rank_placement(job.workers.max_workers, plan.share)}
+    _write_json(uri, saved)
+    say(f"packing plan: {plan.trials_per_gpu} trial(s) per GPU, share {plan.share}, memory cap "
+        f"{plan.memory_fraction:.2%} per process, ranks {saved['strategy']} ({plan.reason})")
+    return saved
+
+
+def run_probe(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> packing.Probe:
+    """A short Train run of the first configuration on a whole GPU: step time, and on CUDA the peak memory.
+    Without CUDA there is no device memory to measure: the sweep's declared packing.gpu_memory_gb is used."""
+    cfg = sweep.packing
+    logical = os.environ.get("ELASTIC_LOGICAL_GPUS") == "1"
+    if logical and cfg.gpu_memory_gb is None:
+        raise UserError("gpu_share auto on logical GPUs (no CUDA) needs packing.gpu_memory_gb, the declared "
+                        "peak memory of one trial; set it or give gpu_share a number")
+    measured = {}
+    if cfg.probe:
+        params = {key: _example_value(p) for key, p in sweep.space.items()}
+        probe_job = trial_job(job, params).model_copy(update={"checkpoint": job.checkpoint.model_copy(
+            update={"uri": train_root(sweep, job), "every_steps": 10 ** 9, "every_seconds": None})})
+        run_name = f"{sweep.name}-probe"
+        say(f"probe: {cfg.probe_steps} steps of {run_name} on a whole GPU")
+        started = time.monotonic()
+        fit_run(probe_job, run_name, "", [], TrialSharing(share=1.0, memory_fraction=1.0,
+                                                          strategy=packing.rank_placement(job.workers.min, 1.0),
+                                                          probe_steps=cfg.probe_steps, report_to_tune=False))
+        run_uri = parse_uri(train_root(sweep, job)).child(run_name).uri
+        measured = _read_json(parse_uri(run_uri).child(PROBE_FILE).uri) or {}
+        say(f"probe: done in {time.monotonic() - started:.0f} s: {json.dumps(measured)}")
+    if measured.get("cuda"):
+        return packing.Probe(measured["peak_bytes"], measured["device_bytes"], measured["step_seconds"],
+                             "measured")
+    if cfg.gpu_memory_gb is None:
+        raise UserError("gpu_share auto without a probe measure needs packing.gpu_memory_gb; set it")
+    return packing.Probe(int(cfg.gpu_memory_gb * GB), int(cfg.device_memory_gb * GB),
+                         measured.get("step_seconds"), "declared")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trial driver (a Tune function trainable)
+
+
+def trial_main(config: dict, setup: dict) -> None:
+    """One trial: the job with this trial's parameters, fitted under `<sweep>-<trial id>`; retried with a bigger
+    GPU share after an out-of-memory error; resumed from the run's checkpoints whenever it starts again."""
+    from ray import tune
+
+    trial_id = tune.get_context().get_trial_id()
+    run_name = f"{setup['sweep']}-{trial_id}"
+    base = JobSpec.model_validate(setup["job"])
+    job = trial_job(base, config)
+    job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"uri": setup["train_root"]})})
+    run_uri = parse_uri(setup["train_root"]).child(run_name).uri
+    record_uri = parse_uri(run_uri).child(TRIAL_FILE).uri
+    record = _read_json(record_uri) or {"run_name": run_name, "params": config, "attempts": [], "ooms": []}
+    if record.get("finished"):
+        return  # finished before the sweep's driver died, after Tune last saved its state: nothing to redo
+    plan = setup["plan"]
+    share = record["attempts"][-1]["share"] if record["attempts"] else plan["share"]
+    store = CheckpointStore(run_uri)
+    fs, _ = fsspec_filesystem(run_uri)
+    while True:
+        latest = store.latest_committed()
+        record["attempts"].append({"share": share, "resumed_from": latest.step if latest else None,
+                                   "started": time.time()})
+        _write_json(record_uri, record)
+        fraction = packing.memory_cap(plan["memory_fraction"] * share / plan["share"])
+        sharing = TrialSharing(share=share, memory_fraction=fraction, strategy=packing.rank_placement(
+            job.workers.max_workers, share))
+        failure: BaseException | None = None
+        try:
+            # workers.gpus = the share: spot-first's capacity checks count GPU shares too
+            fit_run(job.model_copy(update={"workers": job.workers.model_copy(update={"gpus": share})}),
+                    run_name, run_uri, [], sharing)
+        except Exception as err:  # the run's failure; an OOM marker decides whether it is retried
+            failure = err
+        record["attempts"][-1]["ended"] = time.time()
+        oom = read_marker(fs, f"{store.root}/{OOM_FILE}", clear=True)
+        if oom is None:
+            if failure is not None:
+                raise failure
+            record["finished"] = time.time()
+            _write_json(record_uri, record)
+            return
+        record["ooms"].append(oom)
+        if share >= 1 or len(record["ooms"]) > setup["max_oom_retries"]:
+            _write_json(record_uri, record)
+            raise TrialOutOfMemory(f"trial {trial_id} ran out of memory at GPU share {share} "
+                                   f"({len(record['ooms'])} time(s)): {oom.get('error')}")
+        share = packing.bigger_share(share)
+        print(f"[elastic] trial {trial_id}: out of memory at step {oom.get('step')}; retrying with GPU share "
+              f"{share} from its last checkpoint", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tune
+
+
+def param_space(sweep: SweepSpec) -> dict:
+    from ray import tune
+
+    space = {}
+    for key, param in sweep.space.items():
+        if param.choice is not None:
+            space[key] = tune.choice(param.choice)
+        elif param.grid is not None:
+            space[key] = tune.grid_search(param.grid)
+        elif param.uniform is not None:
+            space[key] = tune.uniform(*param.uniform)
+        else:
+            space[key] = tune.loguniform(*param.loguniform)
+    return space
+
+
+def scheduler(sweep: SweepSpec):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
+    spec = sweep.scheduler
+    if spec.type == "asha":
+        return ASHAScheduler(time_attr=spec.time_attr, max_t=spec.max_t, grace_period=spec.grace_period,
+                             reduction_factor=spec.reduction_factor)
+    if spec.type == "pbt":
+        space = param_space(sweep)
+        return PopulationBasedTraining(time_attr=spec.time_attr, perturbation_interval=spec.perturbation_interval,
+                                       hyperparam_mutations={k: space[k] for k in sweep.pbt_keys()})
+    return FIFOScheduler()
+
+
+def driver_resources(sweep: SweepSpec):
+    """A small CPU fraction per trial driver, on on-demand nodes when the cluster labels them (a driver on a
+    reclaimed spot node would take its trial down with it)."""
+    import ray
+    from ray import tune
+
+    on_demand = [n for n in ray.nodes() if n.get("Alive") and (n.get("Labels") or {}).get(MARKET_LABEL) == "on-demand"
+                 and n.get("Resources", {}).get("CPU", 0) >= sweep.driver_cpus]
+    selector = [{MARKET_LABEL: "on-demand"}] if on_demand else None
+    return tune.PlacementGroupFactory([{"CPU": sweep.driver_cpus}], bundle_label_selector=selector)
+
+
+def market_gpus(market: str) -> float:
+    """GPUs on the worker nodes a job of this market may use (what its trials' workers can share)."""
+    import ray
+
+    selector = worker_selector("on-demand" if market == "spot-first" else market)
+    if market == "spot-first":
+        selector = {k: v for k, v in selector.items() if k != "market"}
+    return sum(n.get("Resources", {}).get("GPU", 0) for n in ray.nodes()
+               if n.get("Alive") and matches(n.get("Labels") or {}, selector))
+
+
+def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callable[[str], None] = print) -> dict:
+    """Run (or restore and finish) the sweep on the connected cluster; returns the report `--json` prints."""
+    from ray import tune
+
+    started = time.monotonic()
+    experiment = experiment_uri(sweep, job)
+    filesystem, experiment_path = pyarrow_filesystem(experiment)
+    restorable = tune.Tuner.can_restore(experiment_path, storage_filesystem=filesystem)
+    if resume and not restorable:
+        raise UserError(f"--resume: no sweep {sweep.name} to restore at {experiment}; run it without --resume")
+    saved = prepare_plan(sweep, job, say)
+    setup = {"sweep": sweep.name, "job": job.model_dump(mode="json"), "train_root": train_root(sweep, job),
+             "plan": saved["plan"], "max_oom_retries": sweep.packing.max_oom_retries}
+    trainable = tune.with_resources(tune.with_parameters(trial_main, setup=setup), driver_resources(sweep))
+    concurrent = sweep.max_concurrent or packing.concurrency_cap(
+        saved["plan"]["trials_per_gpu"], market_gpus(job.workers.market), job.workers.max_workers)
+    if restorable:
+        say(f"restoring sweep {sweep.name} from {experiment}")
+        tuner = tune.Tuner.restore(experiment_path, trainable, resume_unfinished=True, resume_errored=True,
+                                   param_space=param_space(sweep), storage_filesystem=filesystem)
+    else:
+        root_fs, root_path = pyarrow_filesystem(sweep.storage or job.checkpoint.uri)
+        trial_scheduler = scheduler(sweep)
+        tuner = tune.Tuner(
+            trainable,
+            param_space=param_space(sweep),
+            tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples,
+                                        scheduler=trial_scheduler, max_concurrent_trials=concurrent,
+                                        reuse_actors=False),
+            run_config=tune.RunConfig(name=sweep.name, storage_path=root_path, storage_filesystem=root_fs,
+                                      failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
+                                      callbacks=[Progress(), SchedulerState(trial_scheduler)], verbose=0),
+        )
+    results = tuner.fit()
+    return report(sweep, job, results, saved, time.monotonic() - started)
+
+
+def report(sweep: SweepSpec, job: JobSpec, results, saved: dict, seconds: float) -> dict:
+    """Trials (params, metric, state, GPU share, restarts), the best config, and the plan."""
+    trials = []
+    for result in results:
+        metrics = result.metrics or {}
+        found = re.search(r"_([0-9a-f]{5}_\d{5})(?:_|$)", os.path.basename(str(result.path)))
+        trial_id = metrics.get("trial_id") or (found.group(1) if found else None)
+        record = _read_json(parse_uri(train_root(sweep, job)).child(f"{sweep.name}-{trial_id}", TRIAL_FILE).uri) \
+            if trial_id else None
+        attempts = (record or {}).get("attempts", [])
+        if result.error is not None:
+            state = "ERROR"
+        elif record and record.get("finished"):
+            state = "TERMINATED"
+        else:
+            state = "STOPPED"  # ended by the scheduler before the job finished
+        trials.append({
+            "trial_id": trial_id, "params": result.config, "metric": metrics.get(sweep.metric), "state": state,
+            "iterations": metrics.get("training_iteration"), "step": metrics.get("step"),
+            "gpu_share": attempts[-1]["share"] if attempts else saved["plan"]["share"],
+            "restarts": max(0, len(attempts) - 1), "ooms": len((record or {}).get("ooms", [])),
+            "resumed_from": [a["resumed_from"] for a in attempts],
+            "error": str(result.error).splitlines()[0][:200] if result.error else None,
+            "final_metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))
+                              and not isinstance(v, bool) and k not in _TUNE_KEYS},
+        })
+    trials.sort(key=lambda t: t["trial_id"] or "")
+    best = None
+    try:
+        best = results.get_best_result(metric=sweep.metric, mode=sweep.mode)
+    except RuntimeError:  # no trial reported the metric
+        pass
+    return {"sweep": sweep.name, "experiment": experiment_uri(sweep, job), "metric": sweep.metric, "mode": sweep.mode,
+            "plan": saved["plan"], "probe": saved.get("probe"), "rank_placement": saved.get("strategy"),
+            "trials": trials, "best_config": best.config if best else None,
+            "best_metric": (best.metrics or {}).get(sweep.metric) if best else None,
+            "errors": sum(t["state"] == "ERROR" for t in trials), "seconds": round(seconds, 1)}
+
+
+_TUNE_KEYS = {"timestamp", "time_this_iter_s", "time_total_s", "pid", "time_since_restore",
+              "iterations_since_restore", "training_iteration"}
+
+
+class Progress(Callback):
+    """Live progress: one line per trial event on stderr (Tune's own table is turned off)."""
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        _line(f"trial {trial.trial_id} started {_short(trial.config)} ({_count(trials, 'RUNNING')} running)")
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        shown = {k: result[k] for k in ("training_iteration", "step", "loss", "accuracy") if k in result}
+        _line(f"trial {trial.trial_id} {_short(shown)}")
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        _line(f"trial {trial.trial_id} finished ({_count(trials, 'TERMINATED')} done, "
+              f"{_count(trials, 'RUNNING')} running)")
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        _line(f"trial {trial.trial_id} FAILED: {str(getattr(trial, 'error_msg', '') or '')[:160]}")
+
+
+class SchedulerState(Callback):
+    """Carries ASHA's rungs across a restore. Tune checkpoints the searcher and callbacks with the experiment but
+    not the scheduler: Tuner.restore unpickles it from tuner.pkl as it was before the first trial, so a resumed
+    sweep would forget every rung result and let a bad trial that reaches a rung first run to the end. Riding
+    along as a callback, the rungs are saved with each experiment checkpoint and put back on restore (the
+    callback and the scheduler come out of the same tuner.pkl, so this still points at Tune's scheduler)."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def get_state(self) -> dict | None:
+        from ray.tune.schedulers import AsyncHyperBandScheduler
+
+        # PBT keys its state by Trial objects, which a restore recreates; only ASHA's plain state carries over.
+        if not isinstance(self.scheduler, AsyncHyperBandScheduler):
+            return None
+        return {"asha": pickle.dumps(self.scheduler.__dict__)}  # a snapshot: later results don't leak into it
+
+    def set_state(self, state: dict) -> None:
+        if state.get("asha") is not None:
+            self.scheduler.__dict__.update(pickle.loads(state["asha"]))
+
+
+def _line(text: str) -> None:
+    sys.stderr.write(f"[sweep {time.strftime('%H:%M:%S')}] {text}\n")
+    sys.stderr.flush()
+
+
+def _short(values: dict) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+
+
+def _count(trials, status: str) -> int:
+    return sum(t.status == status for t in trials)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver connection
+
+
+def disconnect() -> None:
+    import ray
+
+    ray.shutdown()
+
+
+def connect(job: JobSpec | None = None) -> None:
+    """Attach this process to the cluster as the sweep's driver; the working dir travels to every trial."""
+    import ray
+    import torch  # noqa: F401  (before ray.init: see elastic.driver.fitting)
+
+    address = os.environ.get("RAY_ADDRESS")
+    state = local.running_state()
+    if not address and state is not None:
+        os.environ.update(state.env())
+        address = state.ray_address
+    if state is not None and state.logical_gpus:
+        os.environ["ELASTIC_LOGICAL_GPUS"] = "1"
+    try:
+        ray.init(address=address or "auto", log_to_driver=False, runtime_env={
+            "working_dir": os.getcwd(), "excludes": DEFAULT_EXCLUDES + (list(job.runtime_env.excludes) if job else []),
+            "env_vars": dict(job.runtime_env.env_vars) if job else {}})
+    except ConnectionError:
+        raise ClusterError("no Ray cluster to run the sweep on; start one with `elastic local up --gpus-per-node 2` "
+                           "or set RAY_ADDRESS") from None
