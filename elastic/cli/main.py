@@ -5,26 +5,38 @@ User errors print one line and exit 2; a job that fails exits 1.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 import click
 
+from elastic import logs
 from elastic.cli import bench, checkpoints, cluster, demo, jobs, local, preempt, spec, sweep, verify, watch
 from elastic.errors import ElasticError, JobFailed, UserError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="elastic-train")
-def cli() -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Debug lines too (also in the jobs and workers started).")
+@click.option("-q", "--quiet", is_flag=True, help="Warnings and errors only.")
+def cli(verbose: bool, quiet: bool) -> None:
     """Elastic PyTorch training on spot and on-demand Ray clusters.
 
     \b
     Example:
       elastic local up
       elastic submit jobs/digits_ddp.yaml --follow
+      elastic -v submit jobs/digits_ddp.yaml --follow   # with debug lines, Ray Train's per-report ones too
       elastic local down
     """
-
+    if verbose and quiet:
+        raise click.UsageError("-v and -q contradict each other; pass one")
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else None
+    if level is not None:
+        # Children (job drivers, workers, local daemons) read it from the environment.
+        os.environ[logs.LEVEL_VARIABLE] = logging.getLevelName(level)
+    logs.configure(level)
 
 
 for command in (local.local_group, spec.spec_group, jobs.submit_cmd, jobs.run_cmd, jobs.status_cmd, jobs.logs_cmd,

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic import logs
 from elastic.config.entrypoint import check_entrypoint
 from elastic.config.spec import JobSpec
 from elastic.driver.runs import run_directory
@@ -91,7 +92,7 @@ def submit(spec: JobSpec, target: Target, suffix: str | None = None, working_dir
     runtime_env: dict = {
         "working_dir": str(working_dir),
         "excludes": DEFAULT_EXCLUDES + list(spec.runtime_env.excludes),
-        "env_vars": {**spec.runtime_env.env_vars, SPEC_VARIABLE: spec.model_dump_json()},
+        "env_vars": {**_log_level(), **spec.runtime_env.env_vars, SPEC_VARIABLE: spec.model_dump_json()},
     }
     if spec.runtime_env.pip:
         runtime_env["pip"] = list(spec.runtime_env.pip)
@@ -228,3 +229,9 @@ def spec_from_environment() -> JobSpec:
     if not raw:
         raise UserError(f"{SPEC_VARIABLE} is not set; pass a job file: elastic run JOB.yaml")
     return JobSpec.model_validate(json.loads(raw))
+
+
+def _log_level() -> dict[str, str]:
+    """`elastic -v`/`-q` reach the job's driver and workers (a level set in the spec's env_vars wins)."""
+    level = os.environ.get(logs.LEVEL_VARIABLE)
+    return {logs.LEVEL_VARIABLE: level} if level else {}

@@ -25,6 +25,7 @@ import argparse
 import email.utils
 import hashlib
 import json
+import logging
 import os
 import secrets
 import sys
@@ -37,6 +38,10 @@ from collections import Counter
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from elastic import logs
+
+log = logging.getLogger(__name__)
 
 PROVIDERS = ("aws", "gcp", "azure")
 ADMIN_PREFIX = "/_elastic/"
@@ -381,8 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp = args.port_file.with_suffix(args.port_file.suffix + ".tmp")
         tmp.write_text(str(server.port))
         os.replace(tmp, args.port_file)  # readers never see a partial file
-    print(f"metadata server ({args.provider}) on {server.url}; admin: POST {server.url}{ADMIN_PREFIX}reclaim?notice=S",
-          flush=True)
+    logs.configure()
+    log.info("metadata server (%s) on %s; admin: POST %s%sreclaim?notice=S", args.provider, server.url, server.url,
+             ADMIN_PREFIX)
     try:
         server._httpd.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:

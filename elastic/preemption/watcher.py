@@ -8,6 +8,7 @@ functions; clock, sleep, randomness and output are injected so tests run the loo
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -57,9 +58,13 @@ class WatchState:
     failures: int = 0  # consecutive failed polls
 
 
+log = logging.getLogger(__name__)
+
+
 def log_line(message: str, clock: Callable[[], float] = time.time) -> None:
+    """One timestamped line per event (the daemon's log file is read by people across clock domains)."""
     ts = datetime.fromtimestamp(clock(), timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    print(f"{ts} watch-preemption: {message}", flush=True)
+    log.info("%s watch-preemption: %s", ts, message)
 
 
 class Watcher:

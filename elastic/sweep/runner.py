@@ -14,6 +14,7 @@ packing plan (so a restored sweep keeps it); trial runs live in <root>/<sweep>/t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
@@ -35,6 +36,8 @@ from elastic.placement.labels import MARKET_LABEL, matches, worker_selector
 from elastic.storage import fsspec_filesystem, parse_uri, pyarrow_filesystem
 from elastic.sweep import packing
 from elastic.worker.sharing import OOM_FILE, PROBE_FILE, TrialSharing, read_marker
+
+log = logging.getLogger(__name__)
 
 PLAN_FILE = "elastic-sweep.json"
 TRIAL_FILE = "elastic-trial.json"
@@ -184,8 +187,8 @@ def trial_main(config: dict, setup: dict) -> None:
             raise TrialOutOfMemory(f"trial {trial_id} ran out of memory at GPU share {share} "
                                    f"({len(record['ooms'])} time(s)): {oom.get('error')}")
         share = packing.bigger_share(share)
-        print(f"[elastic] trial {trial_id}: out of memory at step {oom.get('step')}; retrying with GPU share "
-              f"{share} from its last checkpoint", flush=True)
+        log.warning("trial %s: out of memory at step %s; retrying with GPU share %s from its last checkpoint",
+                    trial_id, oom.get("step"), share)
 
 
 # ---------------------------------------------------------------------------------------------------------
