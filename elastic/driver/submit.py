@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic import logs
 from elastic.config.entrypoint import check_entrypoint
 from elastic.config.spec import JobSpec
 from elastic.driver.runs import run_directory
 from elastic.errors import ClusterError, UserError
 from elastic.local import stack as local
+from elastic.logs import LEVEL_VARIABLE
 from elastic.placement import labels
 from elastic.placement.control import PlacementControl
 from elastic.storage import check_storage
@@ -233,5 +233,5 @@ def spec_from_environment() -> JobSpec:
 
 def _log_level() -> dict[str, str]:
     """`elastic -v`/`-q` reach the job's driver and workers (a level set in the spec's env_vars wins)."""
-    level = os.environ.get(logs.LEVEL_VARIABLE)
-    return {logs.LEVEL_VARIABLE: level} if level else {}
+    level = os.environ.get(LEVEL_VARIABLE)
+    return {LEVEL_VARIABLE: level} if level else {}
