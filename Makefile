@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch, pinned here (not in pyproject) so the install stays small on CPU machines;
 # override on a GPU box, e.g. `make install TORCH_SPEC='torch==2.13.0'` from the CUDA index.
 TORCH_SPEC ?= torch==2.13.0
-# One auth mode for every Ray process, driver and CLI call of the local stack (see docs/local-cluster.md).
+# One auth mode for every Ray process, driver and CLI call of the local stack (README: Development notes).
 export RAY_AUTH_MODE ?= disabled
 
 .PHONY: install demo lint test test-unit test-integration down clean
@@ -22,13 +22,14 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/elastic demo
 
+LINTED := elastic tests jobs bench
+
 lint: install
 	$(BIN)/lint-imports
-	$(BIN)/ruff check elastic tests jobs bench
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 
-test: install
-	$(BIN)/lint-imports
-	$(BIN)/ruff check elastic tests jobs bench
+test: lint
 	$(BIN)/python -m pytest tests
 
 test-unit: install

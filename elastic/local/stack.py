@@ -33,7 +33,7 @@ DEFAULT_BUCKET = "elastic"
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
 # Dummy credentials for the local moto endpoint (it accepts any); real clusters use the AWS chain.
 LOCAL_AWS_KEY = "elastic-local"
-AUTH_MODE = "disabled"  # one auth mode for the local stack, its drivers and every CLI call (RAY-NOTES.md)
+AUTH_MODE = "disabled"  # one auth mode for the local stack, its drivers and every CLI call (a mix fails auth)
 
 
 def home_dir() -> Path:
