@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from elastic.cli import cli
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "cluster-configs"
 AWS, GCP, KUBERAY = "aws-spot-gpu.yaml", "gcp-spot-gpu.yaml", "kuberay-spot-gpu.yaml"
 

@@ -13,7 +13,7 @@ import pytest
 from elastic.config.sweep_spec import load_sweep_spec, parse_sweep_spec, sweep_schema, trial_job
 from elastic.errors import SpecError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # Line numbers matter for the error tests: 1 name / 2 job / 3 space: / 4 lr / 5 metric / 6 mode
 MINIMAL = """\

@@ -26,7 +26,7 @@ from elastic.config.spec import (
 )
 from elastic.errors import SpecError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DIGITS = REPO / "jobs" / "digits_ddp.yaml"
 
 # A minimal valid job; line numbers matter for the error-table tests below.
@@ -440,26 +440,26 @@ def test_cli_submit_bad_file_fails_before_any_cluster(tmp_path, misspelled_file)
 def test_shipped_json_schema_is_current():
     """docs/job.schema.json is what editors load (the example job points at it); regenerate it with
     `elastic spec schema > docs/job.schema.json` when the spec changes."""
-    shipped = json.loads((Path(__file__).resolve().parents[2] / "docs" / "job.schema.json").read_text())
+    shipped = json.loads((Path(__file__).resolve().parents[3] / "docs" / "job.schema.json").read_text())
     assert shipped == json.loads(json.dumps(job_schema()))
 
 
 def test_a_suffix_that_would_break_the_run_name_is_refused():
-    spec = load_job_spec(Path(__file__).resolve().parents[2] / "jobs" / "digits_ddp.yaml")
+    spec = load_job_spec(Path(__file__).resolve().parents[3] / "jobs" / "digits_ddp.yaml")
     assert spec.run_name("trial-3") == "digits-ddp-trial-3"
     with pytest.raises(SpecError, match="--suffix"):
         spec.run_name("x; rm -rf /")
 
 
 def test_errors_from_set_name_the_flag_not_a_file_line():
-    path = Path(__file__).resolve().parents[2] / "jobs" / "digits_ddp.yaml"
+    path = Path(__file__).resolve().parents[3] / "jobs" / "digits_ddp.yaml"
     with pytest.raises(SpecError) as info:
         load_job_spec(path, ["workers.min=0"])
     assert str(info.value).startswith("--set workers.min=0: workers.min:"), str(info.value)
 
 
 def test_set_reads_exponent_numbers_as_numbers():
-    path = Path(__file__).resolve().parents[2] / "jobs" / "digits_ddp.yaml"
+    path = Path(__file__).resolve().parents[3] / "jobs" / "digits_ddp.yaml"
     assert load_job_spec(path, ["config.lr=1e-3"]).config["lr"] == pytest.approx(0.001)
 
 
