@@ -28,6 +28,16 @@ class ClusterError(UserError):
     """The Ray cluster cannot be reached or the local stack is in the wrong state."""
 
 
+class ClusterConfigError(UserError):
+    """A cluster config cannot be read at all (missing file, not YAML, not a mapping)."""
+
+
+class VerifyFailed(UserError):
+    """A verification run did not end as planned (not a verdict on the comparison: that is the report)."""
+
+    exit_code = 1
+
+
 class JobFailed(ElasticError):
     """A submitted job ended in a state other than SUCCEEDED."""
 
@@ -43,3 +53,11 @@ class NonFiniteLoss(ElasticError):
 
 class MetadataUnavailable(ElasticError):
     """The cloud metadata service did not answer usefully (timeout, connection error, 5xx): retried with backoff."""
+
+
+class DrainError(ElasticError):
+    """A drain could not be requested now (GCS unreachable, this host's node not registered yet): retried."""
+
+
+class TrialOutOfMemory(ElasticError):
+    """A trial ran out of memory at the whole-GPU share, or after max_oom_retries bigger shares."""

@@ -8,13 +8,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from elastic.errors import UserError
-
 _ENV_ASSIGNMENT = re.compile(r"(?<![\w$.-])([A-Z][A-Z0-9_]*)=(\"[^\"]*\"|'[^']*'|[^\s;&|'\"]*)")
-
-
-class ClusterConfigError(UserError):
-    """A cluster config cannot be read at all (missing file, not YAML, not a mapping)."""
 
 
 @dataclass(frozen=True)

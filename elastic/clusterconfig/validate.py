@@ -29,8 +29,9 @@ import yaml
 from ray.autoscaler._private.util import fillout_defaults, prepare_config, validate_config
 
 from elastic.clusterconfig.kuberay import check_kuberay
-from elastic.clusterconfig.problems import ClusterConfigError, Problem, key_path, one_line, unique
+from elastic.clusterconfig.problems import Problem, key_path, one_line, unique
 from elastic.clusterconfig.rules import check_ray_up
+from elastic.errors import ClusterConfigError
 
 __all__ = ["ClusterConfigError", "Problem", "config_kind", "load_config", "validate", "validate_file"]
 

@@ -28,7 +28,7 @@ from elastic.checkpoint.store import CheckpointStore
 from elastic.config.spec import JobSpec
 from elastic.driver import submit
 from elastic.driver.runs import read_summary, run_directory
-from elastic.errors import SpecError, UserError
+from elastic.errors import SpecError, UserError, VerifyFailed
 from elastic.local.stack import home_dir
 from elastic.worker.audit import (
     AUDIT_VARIABLE,
@@ -302,12 +302,6 @@ class Verifier:
             criteria=("bit-identical final model and optimizer, every sample once per epoch" if fixed else
                       "every sample once per epoch, per-epoch loss within tolerance"),
         )
-
-
-class VerifyFailed(UserError):
-    """A verification run did not end as planned (not a verdict on the comparison: that is the report)."""
-
-    exit_code = 1
 
 
 def _samples(history: History, up_to_step: int) -> int:

@@ -17,13 +17,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from elastic.errors import ClusterError, ElasticError
+from elastic.errors import ClusterError, DrainError
 
 DRAIN_REASON = "DRAIN_NODE_REASON_PREEMPTION"
-
-
-class DrainError(ElasticError):
-    """A drain could not be requested now (GCS unreachable, this host's node not registered yet): retried."""
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from elastic.errors import ElasticError, MetadataUnavailable
-from elastic.preemption.drain import Drainer, DrainError, RayDrainer
+from elastic.errors import DrainError, ElasticError, MetadataUnavailable
+from elastic.preemption.drain import Drainer, RayDrainer
 from elastic.preemption.notices import DEFAULT_METADATA_URL, Notice, NoticeSource, detect_provider, make_source
 
 # ---------------------------------------------------------------------------------------------------------

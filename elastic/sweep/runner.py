@@ -30,7 +30,7 @@ from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import SweepSpec, _example_value, trial_job
 from elastic.driver.fitting import fit_run
 from elastic.driver.submit import DEFAULT_EXCLUDES
-from elastic.errors import ClusterError, ElasticError, UserError
+from elastic.errors import ClusterError, TrialOutOfMemory, UserError
 from elastic.local import stack as local
 from elastic.placement.labels import MARKET_LABEL, matches, worker_selector
 from elastic.storage import fsspec_filesystem, parse_uri, pyarrow_filesystem
@@ -42,10 +42,6 @@ log = logging.getLogger(__name__)
 PLAN_FILE = "elastic-sweep.json"
 TRIAL_FILE = "elastic-trial.json"
 GB = 1024 ** 3
-
-
-class TrialOutOfMemory(ElasticError):
-    """A trial ran out of memory at the whole-GPU share, or after max_oom_retries bigger shares."""
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -20,9 +20,9 @@ import pytest
 from click.testing import CliRunner
 
 from elastic.cli import cli, main
-from elastic.errors import ClusterError, MetadataUnavailable
+from elastic.errors import ClusterError, DrainError, MetadataUnavailable
 from elastic.local.metadata_server import MetadataServer, post_admin
-from elastic.preemption.drain import DrainError, DrainOutcome, NodeView, pick_local_node
+from elastic.preemption.drain import DrainOutcome, NodeView, pick_local_node
 from elastic.preemption.notices import AwsSource, AzureSource, GcpSource, detect_provider
 from elastic.preemption.watcher import WatchConfig, Watcher, backoff_delay, drain_deadline, watch
 
