@@ -166,15 +166,8 @@ def _first_step(run: _Run, attempts_before: int, timeout: float = 600) -> dict:
 
 
 def _commit_time(state: local.LocalState, run: _Run, step: int) -> float | None:
-    import os
-
-    saved = dict(os.environ)
-    os.environ.update(state.env())
-    try:
+    with state.environment():
         info = CheckpointStore(f"s3://{state.bucket}/bench/{run.name}").info(step)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     return info.time if info.committed else None
 
 

@@ -20,13 +20,12 @@ def bench_group() -> None:
 
 def _bench_target(uri: str | None, folder: str) -> str:
     """--uri, else the local stack's bucket (whose endpoint and credentials this process then uses)."""
-    import os
 
     from elastic.local import stack as local
 
     state = local.running_state()
-    if state is not None and not os.environ.get("AWS_ENDPOINT_URL"):
-        os.environ.update(state.env())
+    if state is not None:
+        state.use_storage()
     if uri:
         return uri
     if state is None:

@@ -23,8 +23,8 @@ def _store(run: str, root: str | None):
     from elastic.local import stack as local
 
     state = local.running_state()
-    if state is not None and not os.environ.get("AWS_ENDPOINT_URL"):
-        os.environ.update(state.env())  # the local stack's bucket, when no other endpoint is configured
+    if state is not None:
+        state.use_storage()
     if "://" in run or run.startswith("/"):
         return CheckpointStore(run)
     root = root or os.environ.get("ELASTIC_RUNS_URI") or (f"s3://{state.bucket}/runs" if state else None)

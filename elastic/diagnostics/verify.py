@@ -17,7 +17,6 @@ the run had resumed from before it: where to look for state that a checkpoint do
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -333,5 +332,5 @@ def default_log_path(stamp: str) -> Path:
 
 def storage_environment(target) -> None:
     """Read the runs' ledgers and checkpoints with the local stack's endpoint when that is the target."""
-    if target.local is not None and not os.environ.get("AWS_ENDPOINT_URL"):
-        os.environ.update(target.local.env())
+    if target.local is not None:
+        target.local.use_storage()

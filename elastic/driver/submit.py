@@ -168,14 +168,10 @@ def driver_status(target: Target, job_id: str) -> dict | None:
         info = client(target).get_job_info(job_id)
         spec = JobSpec.model_validate(json.loads(info.runtime_env["env_vars"][SPEC_VARIABLE]))
         run = (info.metadata or {})[RUN_METADATA_KEY]
-        saved = dict(os.environ)
-        if target.local is not None:
-            os.environ.update(target.local.env())
-        try:
+        if target.local is None:
             return PlacementControl(run_directory(spec, run)).status()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+        with target.local.environment():
+            return PlacementControl(run_directory(spec, run)).status()
     except Exception:  # best effort: status still lists the job
         return None
 
@@ -205,13 +201,8 @@ def _run_jobs(jobs, run_name: str) -> list:
 def _check_storage_from_client(spec: JobSpec, target: Target) -> None:
     """Check the bucket from here when we hold what the cluster will use; cloud nodes use their own role."""
     if target.local is not None:
-        saved = dict(os.environ)
-        os.environ.update(target.local.env())
-        try:
+        with target.local.environment():
             check_storage(spec.checkpoint.uri)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
         return
     try:
         import boto3  # only for an S3 check from the client

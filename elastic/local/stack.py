@@ -83,6 +83,22 @@ class LocalState:
     retired: list[str] = field(default_factory=list)  # names of nodes that were reclaimed (elastic preempt)
     node_temp_dirs: list[str] = field(default_factory=list)  # each worker node's own Ray temp dir
 
+    @contextmanager
+    def environment(self):
+        """This stack's environment (env()) in os.environ for a block; the caller's comes back after it."""
+        saved = dict(os.environ)
+        os.environ.update(self.env())
+        try:
+            yield
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def use_storage(self) -> None:
+        """From now on this process reads and writes this stack's bucket, unless another S3 endpoint is set."""
+        if not os.environ.get("AWS_ENDPOINT_URL"):
+            os.environ.update(self.env())
+
     def env(self) -> dict[str, str]:
         """Environment under which Ray's CLI, boto3, s3fs and our drivers talk to this stack."""
         env = {
