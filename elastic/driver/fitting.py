@@ -28,6 +28,7 @@ from elastic.driver.runs import RunSummary, checkpoint_uri, run_directory, write
 from elastic.errors import ClusterError, JobFailed
 from elastic.placement import policy
 from elastic.placement.control import Placement, PlacementControl, new_placement_id
+from elastic.placement.messages import Acknowledgement
 from elastic.worker.sharing import TrialSharing
 
 
@@ -141,11 +142,11 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
         are gone. Its sessions wait for the old placement's acknowledgement."""
         notice = control.ending_soon(current.id)
         now = time.time()
-        if notice is None or notice["eta"] - now > START_AHEAD_SECONDS \
-                or now - notice["time"] < NOTICE_SETTLE_SECONDS:
+        if notice is None or notice.eta - now > START_AHEAD_SECONDS \
+                or now - notice.time < NOTICE_SETTLE_SECONDS:
             return None
         sized = policy.decide_workers(workers, capacity.observe_nodes(), market,
-                                      dict(Counter(notice.get("nodes") or [])))
+                                      dict(Counter(notice.nodes)))
         if sized.action != "start":
             return None  # too few slots even with the ending ones: sized after the end, as usual
         return start(sized, "resumed after a reclaim", follows=current.id)
@@ -198,9 +199,9 @@ def _run_placements(spec: JobSpec, run_name: str, run_uri: str, placements: list
                 control.clear()
                 return fitting.result  # the run finished (or an end was asked for too late to matter)
             control.clear(keep_ended=ahead is not None)
-            ending, released = fitting, dict(Counter(ended.get("nodes") or []))
-            kind = ended.get("kind", "swap")
-            record.update(ended_at_step=ended["step"], ended_by=kind)
+            ending, released = fitting, dict(Counter(ended.nodes))
+            kind = ended.kind.value
+            record.update(ended_at_step=ended.step, ended_by=kind)
             if kind == "preemption":
                 preemptions += 1
                 print(f"[elastic] placement {current.id}: a node is being reclaimed; ended at the just-in-time "
@@ -280,8 +281,8 @@ class _Fitting:
         except BaseException as err:  # handed to the driver loop, which retries or re-raises it
             self.error = err
 
-    def wait_for_end(self, acknowledged: Callable[[], dict | None],
-                     on_poll: Callable[[], None] = lambda: None) -> dict | None:
+    def wait_for_end(self, acknowledged: Callable[[], Acknowledgement | None],
+                     on_poll: Callable[[], None] = lambda: None) -> Acknowledgement | None:
         """Until fit() returns (None) or the sessions acknowledge the placement's end (the acknowledgement).
         `on_poll` runs between polls (the driver starts the next placement ahead from there)."""
         while self._thread.is_alive():

@@ -171,7 +171,8 @@ def driver_status(target: Target, job_id: str) -> dict | None:
         if target.local is not None:
             os.environ.update(target.local.env())
         try:
-            return PlacementControl(run_directory(spec, run)).status()
+            status = PlacementControl(run_directory(spec, run)).status()
+            return status.to_dict() if status is not None else None
         finally:
             os.environ.clear()
             os.environ.update(saved)
