@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import pytest
 
+from elastic import logs
 from elastic.config.spec import WorkersSpec
 from elastic.driver.capacity import GrowWatcher, SwapWatcher, wait_for_spot, wait_for_workers
 from elastic.placement.control import PlacementControl
 from elastic.placement.messages import EndKind
 from elastic.placement.policy import NodeView, decide_grow, decide_start, decide_swap, decide_workers, worker_slots
 from elastic.worker.placement_watch import NoPlacementWatch, PlacementWatch, placement_watch
+
+
+@pytest.fixture(autouse=True)
+def elastic_logs():
+    """The driver logs through `logging`; configured as a job's driver is, its lines reach stdout."""
+    logs.configure("INFO")
 
 
 def node(market: str, cpus: float = 1.0, gpus: float = 0.0, role: str = "worker", draining: bool = False,
