@@ -78,13 +78,13 @@ class PlacementExecutor:
                 if ended is None:
                     if fitting.error is None:
                         self.control.clear()
-                        self._decide(decisions.RunFinished())
+                        self._decide(decisions.RunFinished(), prefix="")
                         return fitting.result  # the run finished (or an end was asked for too late to matter)
                     retryable = controller_failed(fitting.error)
                     if retryable:
                         record["ended_by"] = "controller error"
                     decision = self._decide(decisions.ControllerFailed(
-                        type(fitting.error).__name__, _last_line(fitting.error), retryable))
+                        type(fitting.error).__name__, _last_line(fitting.error), retryable), prefix="")
                     if isinstance(decision, decisions.Fail):
                         raise fitting.error
                     self.released = None
