@@ -4,6 +4,7 @@ elastic.placement.policy's; this module only carries them out."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from elastic.placement.policy import (
     decide_workers,
     worker_resources,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def observe_nodes() -> list[NodeView]:
@@ -65,11 +68,11 @@ def hint_spot_demand(workers: WorkersSpec, on: bool = True) -> None:
     try:
         request_resources(bundles=bundles, bundle_label_selectors=selectors)
     except Exception as err:  # a hint only: a cluster that cannot take it still runs the job
-        print(f"[elastic] placement: could not ask the autoscaler for spot nodes ({err})", flush=True)
+        logger.warning("placement: could not ask the autoscaler for spot nodes (%s)", err)
 
 
 def log_decision(decision: Decision) -> None:
-    print(f"[elastic] placement: {decision.action}: {decision.reason}", flush=True)
+    logger.info("placement: %s: %s", decision.action, decision.reason)
 
 
 def wait_for_spot(workers: WorkersSpec, observe: Callable[[], list[NodeView]] = observe_nodes,
@@ -82,7 +85,7 @@ def wait_for_spot(workers: WorkersSpec, observe: Callable[[], list[NodeView]] = 
         try:
             nodes = observe()
         except Exception as err:  # loop boundary: a failed poll (GCS hiccup) counts as no capacity seen
-            print(f"[elastic] placement: capacity poll failed ({type(err).__name__}: {err})", flush=True)
+            logger.warning("placement: capacity poll failed (%s: %s)", type(err).__name__, err)
             nodes = []
         decision = decide_start(workers, nodes, clock() - started)
         if decision.action != "wait":
@@ -113,7 +116,7 @@ class _PollingThread:
             try:
                 self.poll_once()
             except Exception as err:  # loop boundary: a failed poll (GCS hiccup, S3 error) retries next time
-                print(f"[elastic] placement: capacity poll failed ({type(err).__name__}: {err})", flush=True)
+                logger.warning("placement: capacity poll failed (%s: %s)", type(err).__name__, err)
             self._stop.wait(self.poll_seconds)
 
 
@@ -157,7 +160,7 @@ def wait_for_workers(workers: WorkersSpec, market: str, observe: Callable[[], li
         try:
             nodes = observe()
         except Exception as err:  # loop boundary: a failed poll (GCS hiccup) counts as no capacity seen
-            print(f"[elastic] placement: capacity poll failed ({type(err).__name__}: {err})", flush=True)
+            logger.warning("placement: capacity poll failed (%s: %s)", type(err).__name__, err)
             nodes = []
         decision = decide_workers(workers, nodes, market, released)
         # Logged from the fourth poll on: a released group's slots normally show up within a few polls.

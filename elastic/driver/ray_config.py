@@ -68,7 +68,7 @@ def build_trainer(spec: JobSpec, run_name: str, placement: Placement | None = No
     logical_gpus = os.environ.get("ELASTIC_LOGICAL_GPUS") == "1"
     workers, function, callbacks = spec.workers, worker_main, []
     payload = {"spec": spec.model_dump(mode="json"), "run_name": run_name,
-               "placement": asdict(placement) if placement else None}
+               "placement": placement.to_dict() if placement else None}
     if sharing is not None:
         workers, function = workers.model_copy(update={"gpus": sharing.share}), trial_worker_main
         payload["sharing"] = asdict(sharing)

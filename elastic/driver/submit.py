@@ -169,9 +169,11 @@ def driver_status(target: Target, job_id: str) -> dict | None:
         spec = JobSpec.model_validate(json.loads(info.runtime_env["env_vars"][SPEC_VARIABLE]))
         run = (info.metadata or {})[RUN_METADATA_KEY]
         if target.local is None:
-            return PlacementControl(run_directory(spec, run)).status()
-        with target.local.environment():
-            return PlacementControl(run_directory(spec, run)).status()
+            status = PlacementControl(run_directory(spec, run)).status()
+        else:
+            with target.local.environment():
+                status = PlacementControl(run_directory(spec, run)).status()
+        return status.to_dict() if status is not None else None
     except Exception:  # best effort: status still lists the job
         return None
 

@@ -8,6 +8,7 @@ import time
 import torch.distributed as dist
 
 from elastic.placement.control import PlacementControl
+from elastic.placement.messages import EndKind, Placement
 
 
 class NoPlacementWatch:
@@ -72,7 +73,7 @@ class PlacementWatch:
         if not self.endable:
             return False
         request = self.control.end_request(self.placement_id) if self.rank == 0 else None
-        answer = [request.get("kind", "ended") if request else None]
+        answer = [request.kind.value if request else None]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(answer, src=0)
         if answer[0]:
@@ -83,8 +84,8 @@ class PlacementWatch:
         kind = reason or self._kind
         if self.rank == 0:
             self.control.acknowledge(self.placement_id, step, kind, self.rank_nodes)
-        return {"swap": "moving to spot", "grow": "growing the worker group",
-                "preemption": "a node is being reclaimed"}.get(kind, kind)
+        return {EndKind.SWAP: "moving to spot", EndKind.GROW: "growing the worker group",
+                EndKind.PREEMPTION: "a node is being reclaimed"}.get(EndKind.parse(kind), kind)
 
     def running(self, world_size: int) -> None:
         if self.rank == 0:
@@ -93,8 +94,8 @@ class PlacementWatch:
 
 def placement_watch(payload: dict | None, run_uri: str, rank: int):
     """The session's watch for the placement the driver described in the train loop config (or a null one)."""
-    if not payload:
+    placement = Placement.from_dict(payload) if payload else None
+    if placement is None:
         return NoPlacementWatch()
-    endable = bool(payload.get("swappable") or payload.get("resizable"))
-    return PlacementWatch(PlacementControl(run_uri), payload["id"], rank, endable, payload.get("follows"))
+    return PlacementWatch(PlacementControl(run_uri), placement.id, rank, placement.endable, placement.follows)
 

@@ -6,7 +6,15 @@ from __future__ import annotations
 import threading
 import time
 
-from elastic.driver.fitting import _Fitting
+import pytest
+
+from elastic import logs
+from elastic.driver.placements import _Fitting
+
+
+@pytest.fixture(autouse=True)
+def elastic_logs():
+    logs.configure("INFO")  # as a job's driver: the executor's log lines reach stdout
 
 
 class FakeTrainer:
@@ -65,20 +73,13 @@ def test_a_controller_that_tore_its_read_of_rays_run_snapshot_is_started_again()
     placement's controller rewrote it, and its controller died in its constructor."""
     from ray.train import ControllerError
 
-    from elastic.config.spec import JobSpec
-    from elastic.driver.fitting import _controller_failed, _retry_controller_error
+    from elastic.driver.placements import controller_failed
 
     torn = _controller_died_in_constructor("ray.train.v2._internal.exceptions.CheckpointManagerInitializationError: "
                                            "Unterminated string starting at: line 1 column 769 (char 768)")
-    assert _controller_failed(torn)
-    assert _controller_failed(ControllerError(RuntimeError("worker group failed to start")))
-    # The user's own errors, and other constructor failures, are not retried as controller errors.
-    assert not _controller_failed(ValueError("bad config"))
-    assert not _controller_failed(_controller_died_in_constructor("ValueError: storage_path is not writable"))
-
-    spec = JobSpec.model_validate({"name": "t", "entrypoint": "m:f", "workers": {"min": 1},
-                                   "checkpoint": {"uri": "/tmp/ckpt", "every_steps": 10}, "failure": {"max_failures": 1}})
-    record: dict = {}
-    assert _retry_controller_error(torn, spec, record, failures=1)
-    assert record["ended_by"] == "controller error"
-    assert not _retry_controller_error(torn, spec, record, failures=2)  # within failure.max_failures only
+    assert controller_failed(torn)
+    assert controller_failed(ControllerError(RuntimeError("worker group failed to start")))
+    # The user's own errors, and other constructor failures, are not retried as controller errors
+    # (the retry budget itself is elastic.placement.loop's: tests/unit/test_placement_loop.py).
+    assert not controller_failed(ValueError("bad config"))
+    assert not controller_failed(_controller_died_in_constructor("ValueError: storage_path is not writable"))

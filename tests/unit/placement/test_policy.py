@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import pytest
 
+from elastic import logs
 from elastic.config.spec import WorkersSpec
 from elastic.driver.capacity import GrowWatcher, SwapWatcher, wait_for_spot, wait_for_workers
 from elastic.placement.control import PlacementControl
+from elastic.placement.messages import EndKind
 from elastic.placement.policy import NodeView, decide_grow, decide_start, decide_swap, decide_workers, worker_slots
 from elastic.worker.placement_watch import NoPlacementWatch, PlacementWatch, placement_watch
+
+
+@pytest.fixture(autouse=True)
+def elastic_logs():
+    """The driver logs through `logging`; configured as a job's driver is, its lines reach stdout."""
+    logs.configure("INFO")
 
 
 def node(market: str, cpus: float = 1.0, gpus: float = 0.0, role: str = "worker", draining: bool = False,
@@ -171,9 +179,9 @@ def test_control_objects_round_trip_and_ids_make_stale_ones_harmless(tmp_path):
     assert not control.end_requested("p1") and control.ended("p1") is None
     control.request_end("p1", "swap", "because")
     assert control.end_requested("p1") and not control.end_requested("p2")
-    assert control.end_request("p1")["kind"] == "swap"
+    assert control.end_request("p1").kind == EndKind.SWAP
     control.acknowledge("p1", 40, "swap")
-    assert control.ended("p1")["step"] == 40 and control.ended("p2") is None
+    assert control.ended("p1").step == 40 and control.ended("p2") is None
     control.running("p1", 3)
     assert control.world_size("p1") == 3 and control.world_size("p2") is None
     control.clear()
@@ -189,15 +197,15 @@ def test_session_watch_polls_only_endable_placements_and_any_placement_can_end_i
     assert fixed.can_end and not fixed.end_requested()  # nothing may ask it to end...
     assert fixed.acknowledge(7, reason="preemption") == "a node is being reclaimed"  # ...but a reclaim ends it
     ended = PlacementControl(str(tmp_path)).ended("q")
-    assert (ended["step"], ended["kind"]) == (7, "preemption")
+    assert (ended.step, ended.kind) == (7, EndKind.PREEMPTION)
     watch = placement_watch({"id": "p", "market": "on-demand", "swappable": True}, str(tmp_path), 0)
     assert isinstance(watch, PlacementWatch) and not watch.end_requested()
     PlacementControl(str(tmp_path)).request_end("p", "swap", "test")
     assert watch.end_requested()  # no process group: rank 0's answer alone
     assert watch.acknowledge(12) == "moving to spot"
-    assert PlacementControl(str(tmp_path)).ended("p")["step"] == 12
+    assert PlacementControl(str(tmp_path)).ended("p").step == 12
     placement_watch({"id": "p", "swappable": True}, str(tmp_path), 1).acknowledge(99)  # only rank 0 writes
-    assert PlacementControl(str(tmp_path)).ended("p")["step"] == 12
+    assert PlacementControl(str(tmp_path)).ended("p").step == 12
 
 
 def test_a_placement_started_ahead_waits_for_its_predecessor_or_a_cancel(tmp_path):
@@ -210,7 +218,7 @@ def test_a_placement_started_ahead_waits_for_its_predecessor_or_a_cancel(tmp_pat
     ending.rank_nodes = ["a", "b"]
     ending.will_end(eta=1234.5)
     notice = control.ending_soon("old")
-    assert (notice["eta"], notice["nodes"]) == (1234.5, ["a", "b"]) and control.ending_soon("new") is None
+    assert (notice.eta, notice.nodes) == (1234.5, ("a", "b")) and control.ending_soon("new") is None
 
     follower = PlacementWatch(control, "new", 0, endable=False, follows="old", poll_seconds=0.01)
     waited = {}
@@ -224,7 +232,7 @@ def test_a_placement_started_ahead_waits_for_its_predecessor_or_a_cancel(tmp_pat
     assert placement_watch({"id": "x"}, str(tmp_path), 0).wait_for_predecessor()  # not started ahead
 
     control.clear(keep_ended=True)  # the driver forgets the old placement but the follower may still look
-    assert control.ended("old")["step"] == 40 and control.ending_soon("old") is None
+    assert control.ended("old").step == 40 and control.ending_soon("old") is None
     control.clear()
     called_off = PlacementWatch(control, "new2", 0, endable=False, follows="old", poll_seconds=0.01)
     control.cancel("new2")
@@ -256,7 +264,7 @@ def test_swap_watcher_keeps_a_request_the_session_already_acknowledged(tmp_path)
     control.acknowledge("p1", 60, "swap")
     cluster["nodes"] = []  # the new placement took the spot nodes
     watcher.poll_once()
-    assert control.end_requested("p1") and control.ended("p1")["step"] == 60
+    assert control.end_requested("p1") and control.ended("p1").step == 60
 
 
 @pytest.mark.parametrize("market", ["spot", "on-demand", "any"])
@@ -346,7 +354,7 @@ def test_grow_watcher_waits_for_a_steady_reading_and_never_flaps(tmp_path, capsy
     assert not control.end_requested("p1")  # 9 s steady, not 10
     clock.now = 18
     watcher.poll_once()
-    assert control.end_request("p1")["kind"] == "grow"
+    assert control.end_request("p1").kind == EndKind.GROW
     clock.now = 19
     cluster["nodes"] = []
     watcher.poll_once()  # capacity gone before the checkpoint: withdrawn

@@ -1,0 +1,108 @@
+"""elastic/driver/placements.py without a cluster: fake trainers play the sessions (writing the control objects
+a real placement's rank 0 writes) and fake capacity, so the executor's order of operations is checked: the
+next placement started ahead of a reclaim, taking over at the acknowledgement, a controller error retried."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elastic.config.spec import JobSpec
+from elastic.driver import capacity, placements
+from elastic.placement.control import ENDING_FILE, PlacementControl
+from elastic.placement.messages import EndingSoon
+from elastic.placement.policy import Decision, NodeView
+
+
+def spec(**failure) -> JobSpec:
+    return JobSpec.model_validate({"name": "t", "entrypoint": "m:f",
+                                   "workers": {"min": 2, "max": 2, "cpus": 1, "market": "spot"},
+                                   "checkpoint": {"uri": "/tmp/ckpt", "every_steps": 10}, "failure": failure})
+
+
+class ScriptedTrainer:
+    def __init__(self, fit):
+        self._fit = fit
+
+    def fit(self):
+        return self._fit()
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    """Two spot nodes whose slots are taken by the running placement (freed by its release)."""
+    nodes = [NodeView(node_id=n, labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 0.0},
+                      total={"CPU": 1.0}) for n in ("a", "b")]
+    monkeypatch.setattr(capacity, "observe_nodes", lambda: nodes)
+    monkeypatch.setattr(capacity, "draining_nodes", lambda observe=None: ())
+    monkeypatch.setattr(capacity, "hint_spot_demand", lambda workers, on=True: None)
+    monkeypatch.setattr(capacity, "wait_for_workers",
+                        lambda workers, market, released=None, on_wait=None: Decision("start", "fits", 2))
+    return nodes
+
+
+def test_a_noticed_reclaim_starts_the_next_placement_ahead_and_it_takes_over_at_the_acknowledgement(
+        tmp_path, monkeypatch, cluster):
+    control = PlacementControl(str(tmp_path))
+    built: list = []
+    acknowledged = threading.Event()
+
+    def first(placement):
+        def fit():
+            # Rank 0's reclaim notice, backdated past NOTICE_SETTLE_SECONDS: due and settled.
+            notice = EndingSoon(placement.id, time.time() + 2, ("a", "b"), time=time.time() - 10)
+            control._write(ENDING_FILE, notice)
+            deadline = time.time() + 10
+            while len(built) < 2 and time.time() < deadline:  # the next placement is started ahead
+                time.sleep(0.05)
+            control.acknowledge(placement.id, 40, "preemption", ["a", "b"])
+            acknowledged.set()
+            time.sleep(0.3)  # Ray's controller still shutting the ended placement down
+            return "first"
+        return fit
+
+    def second(placement):
+        def fit():
+            assert placement.follows == built[0].id  # started ahead of the first one's end
+            acknowledged.wait(10)
+            return "done"
+        return fit
+
+    def build_trainer(spec_, run_name, placement, sharing=None):
+        built.append(placement)
+        return ScriptedTrainer((first if len(built) == 1 else second)(placement))
+
+    monkeypatch.setattr(placements, "build_trainer", build_trainer)
+    records: list[dict] = []
+    result = placements.PlacementExecutor(spec(), "run", str(tmp_path), records).run()
+    assert result == "done" and len(built) == 2
+    assert [(r["reason"], r.get("ended_at_step"), r.get("ended_by")) for r in records] == [
+        ("workers.market is spot", 40, "preemption"), ("resumed after a reclaim at step 40", None, None)]
+    assert control.ended(built[0].id) is None  # cleared at the end of the run
+
+
+def test_a_controller_error_starts_a_new_placement_within_max_failures(tmp_path, monkeypatch, cluster):
+    from ray.train import ControllerError
+
+    fits = iter([ControllerError(RuntimeError("worker group failed to start")), "done"])
+
+    def build_trainer(spec_, run_name, placement, sharing=None):
+        outcome = next(fits)
+
+        def fit():
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        return ScriptedTrainer(fit)
+
+    monkeypatch.setattr(placements, "build_trainer", build_trainer)
+    records: list[dict] = []
+    assert placements.PlacementExecutor(spec(max_failures=1), "run", str(tmp_path), records).run() == "done"
+    assert records[0]["ended_by"] == "controller error"
+    assert records[1]["reason"] == "restarted after a controller error (ControllerError)"
+
+    fits = iter([ControllerError(RuntimeError("again")), ControllerError(RuntimeError("and again"))])
+    with pytest.raises(ControllerError):
+        placements.PlacementExecutor(spec(max_failures=1), "run", str(tmp_path), []).run()
