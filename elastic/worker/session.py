@@ -69,8 +69,8 @@ class Session:
 
     The work is done by collaborators, one per module: TrainingState (what a checkpoint holds),
     CheckpointCadence (when one is due), CommitReports (telling Ray Train of commits), Chaos (fault
-    injection), the placement watch and JustInTime (ending a placement at a checkpoint), SampleLedger
-    (auditing) and OptimizerStep (backward, clipping, the step).
+    injection), PlacementEnding (the placement watch and JustInTime: ending a placement at a checkpoint),
+    SampleLedger (auditing) and OptimizerStep (backward, clipping, the step).
     """
 
     def __init__(self, spec: JobSpec, run_name: str, placement: dict | None = None):
