@@ -17,8 +17,8 @@ last checkpoint) does not fire it again.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +26,8 @@ from elastic.checkpoint.store import CheckpointStore
 from elastic.worker.jit import Notice
 
 KILL_AT_VARIABLE = "ELASTIC_CHAOS_KILL_AT"
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -119,5 +121,4 @@ class Chaos:
         return True
 
     def _say(self, what: str) -> None:
-        sys.stdout.write(f"[elastic] chaos: {what}\n")
-        sys.stdout.flush()
+        _log.info(f"chaos: {what}")  # flushed at once (a StreamHandler's emit does): os._exit may follow

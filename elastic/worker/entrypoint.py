@@ -6,34 +6,68 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from elastic import logs
 from elastic.config.spec import JobSpec
 from elastic.errors import SpecError
 from elastic.placement.control import PlacementEnded
 from elastic.worker.session import Session
 
 
-def worker_main(payload: dict) -> None:
-    """Runs on every training worker: build the session and call the job's function with it."""
+class WorkerSetup(Protocol):
+    """An optional step of the worker entry around the job's function (a sweep trial's GPU sharing,
+    elastic.worker.sharing)."""
+
+    def before_session(self, spec: JobSpec) -> None:
+        """Before the entrypoint is imported and the session built (environment variables, say)."""
+
+    def run(self, session: Session, train: Callable[[Session], Any]) -> None:
+        """Call `train(session)`, with whatever set-up and handling the step adds."""
+
+
+def worker_main(payload: dict, setup: WorkerSetup | None = None) -> None:
+    """Runs on every training worker, of a job and of a sweep trial alike: set up logging, build the session
+    and call the job's function with it (through `setup`, if given)."""
+    _configure_logging()
     # The first DistributedDataParallel(...) imports torch._dynamo (sympy included): a second or two of a
     # restart's critical path. Start it now; the session's setup (S3 client, collectives, the wait for a
     # predecessor placement) waits on the network meanwhile.
     threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="elastic-import",
                      daemon=True).start()
     spec = JobSpec.model_validate(payload["spec"])
+    if setup is not None:
+        setup.before_session(spec)
     function = resolve_entrypoint(spec.entrypoint)
+    session = Session(spec, payload["run_name"], placement=payload.get("placement"))
     try:
-        function(Session(spec, payload["run_name"], placement=payload.get("placement")))
+        if setup is None:
+            function(session)
+        else:
+            setup.run(session, function)
     except PlacementEnded:
         # The driver asked this placement to end (spot-first moving to spot) and it did, at a committed
         # checkpoint. Returning normally lets Ray Train finish the run cleanly: no failure budget is spent.
         return
+
+
+def _configure_logging() -> None:
+    """elastic's lines as `[elastic] ...` on stdout; Ray Train's line per report ("Reporting training result
+    ...", one per checkpoint and rank) only when asked for with ELASTIC_LOG_LEVEL=DEBUG."""
+    logs.configure()
+    if logging.getLogger("elastic").isEnabledFor(logging.DEBUG):
+        return
+    try:  # Ray Train's worker context logs under its file's path (logging.getLogger(__file__))
+        from ray.train.v2._internal.execution import context as ray_train_context
+    except ImportError:  # another Ray version: its report lines stay
+        return
+    logging.getLogger(ray_train_context.__file__).setLevel(logging.WARNING)
 
 
 def resolve_entrypoint(entrypoint: str) -> Callable[..., Any]:

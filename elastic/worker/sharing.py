@@ -16,10 +16,12 @@ after optimizer step STEP on every worker whose share is below SHARE (as a real 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 import torch
@@ -27,8 +29,7 @@ import torch.distributed as dist
 
 from elastic.config.spec import JobSpec
 from elastic.errors import ElasticError
-from elastic.placement.control import PlacementEnded
-from elastic.worker.entrypoint import resolve_entrypoint
+from elastic.worker.entrypoint import worker_main
 from elastic.worker.session import Session
 
 INJECT_OOM_VARIABLE = "ELASTIC_INJECT_OOM"
@@ -36,6 +37,8 @@ SHARE_VARIABLE = "ELASTIC_GPU_SHARE"
 OOM_FILE = "oom.json"
 PROBE_FILE = "probe.json"
 GPUS_FILE = "gpus.json"
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,52 +63,56 @@ class _ProbeDone(Exception):
 
 
 def trial_worker_main(payload: dict) -> None:
-    """The train function of a sweep trial's TorchTrainer: elastic.worker.entrypoint.worker_main plus the packing."""
-    spec = JobSpec.model_validate(payload["spec"])
-    os.environ.update(spec.runtime_env.env_vars)  # per-trial variables (the sweep's space may set them)
-    sharing = payload["sharing"]
-    share = float(sharing["share"])
-    os.environ[SHARE_VARIABLE] = str(share)
-    function = resolve_entrypoint(spec.entrypoint)
-    session = Session(spec, payload["run_name"], placement=payload.get("placement"))
-    session.report_every_commit = True  # each report is a Tune iteration: schedulers count them
-    fs, root = session.store.fs, session.store.root
-    _check_distinct_gpus(session, fs, root)
-    _cap_memory(session, sharing["memory_fraction"])
-    steps = _StepWatch(session, share, sharing.get("probe_steps"))
-    try:
-        function(session)
-    except PlacementEnded:
-        return  # spot-first moving to spot at a checkpoint (see elastic.worker.entrypoint.worker_main)
-    except _ProbeDone:
-        _write_probe(session, fs, root, steps)
-        return
-    except torch.OutOfMemoryError as err:
-        _write(fs, f"{root}/{OOM_FILE}", {"share": share, "step": session.step_count, "rank": session.rank,
-                                          "error": str(err).splitlines()[0][:300] if str(err) else "OOM"})
-        session.log(f"out of memory at step {session.step_count} with GPU share {share}", all_ranks=True)
-        if session.world_size == 1:
-            return  # ends this fit without spending a failure budget; the trial driver retries bigger
-        raise  # other ranks may be inside a collective: let Ray Train tear the group down
+    """The train function of a sweep trial's TorchTrainer: the job's worker entry with the packing added."""
+    worker_main(payload, TrialSetup(payload["sharing"]))
+
+
+class TrialSetup:
+    """The packing's part of the worker entry (elastic.worker.entrypoint.WorkerSetup)."""
+
+    def __init__(self, sharing: dict):
+        self.share = float(sharing["share"])
+        self.memory_fraction = sharing["memory_fraction"]
+        self.probe_steps = sharing.get("probe_steps")
+
+    def before_session(self, spec: JobSpec) -> None:
+        os.environ.update(spec.runtime_env.env_vars)  # per-trial variables (the sweep's space may set them)
+        os.environ[SHARE_VARIABLE] = str(self.share)
+
+    def run(self, session: Session, train: Callable[[Session], Any]) -> None:
+        session.report_every_commit = True  # each report is a Tune iteration: schedulers count them
+        fs, root = session.store.fs, session.store.root
+        _check_distinct_gpus(session, fs, root)
+        _cap_memory(session, self.memory_fraction)
+        steps = _StepWatch(session, self.share, self.probe_steps)
+        try:
+            train(session)
+        except _ProbeDone:
+            _write_probe(session, fs, root, steps)
+        except torch.OutOfMemoryError as err:
+            _write(fs, f"{root}/{OOM_FILE}", {"share": self.share, "step": session.step_count, "rank": session.rank,
+                                              "error": str(err).splitlines()[0][:300] if str(err) else "OOM"})
+            session.log(f"out of memory at step {session.step_count} with GPU share {self.share}", all_ranks=True)
+            if session.world_size == 1:
+                return  # ends this fit without spending a failure budget; the trial driver retries bigger
+            raise  # other ranks may be inside a collective: let Ray Train tear the group down
 
 
 class _StepWatch:
-    """Wraps session.step: step times for the probe, the probe's stop, and injected out-of-memory errors."""
+    """A step hook (Session.add_step_hook): step times for the probe, the probe's stop, and injected
+    out-of-memory errors."""
 
     def __init__(self, session, share: float, probe_steps: int | None):
-        self.session, self.share, self.probe_steps = session, share, probe_steps
+        self.share, self.probe_steps = share, probe_steps
         self.times: list[float] = []
         self._last = time.perf_counter()
         self._inject = _parse_injection(os.environ.get(INJECT_OOM_VARIABLE, ""))
-        self._step = session.step
-        session.step = self  # the instance attribute shadows the method: session.optimize calls this
+        session.add_step_hook(self.on_step)
 
-    def __call__(self, metrics: dict | None = None) -> None:
-        self._step(metrics)
+    def on_step(self, step: int, metrics: dict | None) -> None:
         now = time.perf_counter()
         self.times.append(now - self._last)
         self._last = now
-        step = self.session.step_count
         if self._inject and step == self._inject[0] and self.share < self._inject[1]:
             raise torch.OutOfMemoryError(f"injected: CUDA out of memory at step {step} with GPU share "
                                          f"{self.share} (< {self._inject[1]}; {INJECT_OOM_VARIABLE})")
@@ -161,7 +168,7 @@ def _write_probe(session, fs, root: str, steps: _StepWatch) -> None:
         _write(fs, f"{root}/{PROBE_FILE}", {"peak_bytes": int(values[0]), "device_bytes": int(device),
                                             "step_seconds": float(values[1]), "cuda": cuda,
                                             "steps": len(steps.times)})
-    sys.stdout.write(f"[elastic] probe: {len(steps.times)} steps, peak {int(values[0]) / 2**30:.3f} GB\n")
+    _log.info(f"probe: {len(steps.times)} steps, peak {int(values[0]) / 2**30:.3f} GB")
 
 
 def _write(fs, path: str, data) -> None:

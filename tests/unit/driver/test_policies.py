@@ -17,8 +17,8 @@ from elastic.driver.ray_config import failure_config, scaling_config, torch_back
 from elastic.errors import ClusterError, SpecError
 from elastic.local.stack import NodePlan, plan_nodes
 from elastic.placement.labels import MARKET_LABEL, ROLE_LABEL, worker_selector
+from elastic.worker.cadence import CheckpointCadence
 from elastic.worker.entrypoint import resolve_entrypoint
-from elastic.worker.session import CheckpointCadence
 
 
 class FakeClock:

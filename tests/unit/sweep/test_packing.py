@@ -96,11 +96,17 @@ def test_injected_oom_fires_only_below_the_share():
 
     from elastic.worker.sharing import _ProbeDone, _StepWatch
 
-    class FakeSession:  # what _StepWatch uses of a session: step() and step_count
-        step_count = 0
+    class FakeSession:  # what _StepWatch uses of a session: add_step_hook; step() calls the hooks
+        def __init__(self):
+            self.step_count, self.hooks = 0, []
+
+        def add_step_hook(self, hook):
+            self.hooks.append(hook)
 
         def step(self, metrics=None):
             self.step_count += 1
+            for hook in self.hooks:
+                hook(self.step_count, metrics)
 
     os.environ["ELASTIC_INJECT_OOM"] = "2:0.5"
     try:

@@ -18,7 +18,7 @@ from elastic.diagnostics.verify import kill_points
 from elastic.worker.audit import History, StepRecord, first_divergence
 from elastic.worker.chaos import Chaos, Kill
 from elastic.worker.jit import Notice
-from elastic.worker.session import capture_rng, restore_rng
+from elastic.worker.training_state import capture_rng, restore_rng
 
 
 class Augmented(Dataset):
