@@ -209,7 +209,6 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
         barrier()
         if rank == 0:  # untimed: keep the endpoint's memory from growing over the repeats
             store.fs.rm(raw, recursive=True)
-            store.fs.invalidate_cache(f"{store.root}/torch")  # torch wrote through its own s3fs instance
             store.fs.rm(f"{store.root}/torch", recursive=True)
             store.delete(async_step)
             if step > 1:
@@ -223,7 +222,6 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
         medians = {key: statistics.median(values) for key, values in times.items()}
         Path(out).write_text(json.dumps({**medians, "times": times, "committed": committed, "shards": info.shards,
                                          "bytes": len(payload), "equal": all(equal_all)}))
-        store.fs.invalidate_cache(store.root)
         store.fs.rm(store.root, recursive=True)
     dist.destroy_process_group()
 
