@@ -4,9 +4,6 @@ the same endpoint or cluster, and reports ratios (users run them against their o
 - checkpoint: W local ranks (gloo) save a DDP-like replicated state of N MB with our sharded checkpointer, and
   put/get the same bytes with plain parallel multipart requests (the limit the storage allows). Reports
   save and load throughput against raw put and get, and the async save's blocking time against a sync save.
-  In the same run, torch's own path saves and loads the same state: DCP's FsspecWriter/FsspecReader (through
-  s3fs, same endpoint and credentials, as many writer threads as ours), and dcp.async_save with that writer;
-  its figures sit beside ours (`torch_*`; `save_vs_torch` > 1: ours is faster).
 - overhead: one Ray Train run with W workers trains the same model on the same data through a bare DDP loop
   and through the harness (checkpoints off; then async checkpoints every 20 steps), in short blocks that
   rotate through the variants, so that drift on a shared machine hits every variant alike. Reports step-time
@@ -59,18 +56,6 @@ class CheckpointBench:
     repeats: int
     throughput_ratios: list[float]  # each repeat's, in order: the spread shows the endpoint's noise
     load_ratios: list[float]
-    # torch's own path, same state, same run: FsspecWriter/FsspecReader and dcp.async_save
-    torch_save_mb_s: float
-    torch_load_mb_s: float
-    torch_sync_save_s: float
-    torch_async_blocked_s: float
-    torch_fsspec_throughput_ratio: float  # torch save / raw put: the median of the paired ratios
-    torch_fsspec_load_ratio: float  # torch load / raw get: likewise
-    torch_async_save_stall_ratio: float  # torch's async blocking time / torch's sync save time
-    save_vs_torch: float  # torch save time / our save time, paired median: > 1 means ours is faster
-    load_vs_torch: float  # torch load time / our load time: likewise
-    torch_throughput_ratios: list[float]
-    torch_load_ratios: list[float]
 
 
 def bench_model(size_mb: float, width: int = 1024, seed: int = 0):
@@ -111,8 +96,6 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
     os.environ.update(env)
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # private: no public one
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -149,27 +132,18 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
     every_object = [f"{raw}/part-{r}-{i}" for r in range(world) for i in range(threads)]
     barrier = dist.barrier
     put = lambda: store.fs.pipe(objects)  # noqa: E731  (s3fs sends a batch concurrently)
-    # torch's own path: its stock fsspec writer/reader on the same endpoint and credentials, as many threads
-    # (files per rank) as ours; everything else at torch's defaults (sync_files included).
-    options = store.writer_options()
-    torch_uri = lambda step: f"{store.root}/torch/step-{step}"  # noqa: E731
-    torch_writer = lambda step: FsspecWriter(torch_uri(step), thread_count=threads, **options)  # noqa: E731
 
     # Warm-up, untimed: connections, DCP's planner, staging buffers. Training saves are steady-state too.
     put()
     checkpointer.save(0, state(), asynchronous=False)
     checkpointer.wait()
-    dcp.save(state(), storage_writer=torch_writer(0), process_group=group)
-    times: dict[str, list[float]] = {"put_s": [], "save_s": [], "get_s": [], "load_s": [], "blocked_s": [],
-                                     "torch_save_s": [], "torch_load_s": [], "torch_blocked_s": []}
+    times: dict[str, list[float]] = {"put_s": [], "save_s": [], "get_s": [], "load_s": [], "blocked_s": []}
     committed, equal = True, True
     for step in range(1, repeats + 1):
         sync_step, async_step = 2 * step - 1, 2 * step
         expected = [t.clone() for t in tensors(state())]
         writes = {"put_s": put,
-                  "save_s": lambda: checkpointer.save(sync_step, state(), asynchronous=False),  # noqa: B023 (run now)
-                  "torch_save_s": lambda: dcp.save(state(), storage_writer=torch_writer(sync_step),  # noqa: B023
-                                                   process_group=group)}
+                  "save_s": lambda: checkpointer.save(sync_step, state(), asynchronous=False)}  # noqa: B023 (run now)
         # Alternate which goes first: the endpoint may still be busy with what came before.
         for key in (list(writes) if step % 2 else list(reversed(writes))):
             times[key].append(_timed(barrier, writes[key]))
@@ -184,32 +158,18 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
         blocked = [0.0] * world
         dist.all_gather_object(blocked, result.blocked_seconds)
         times["blocked_s"].append(max(blocked))
-        # torch's async save, alike: blocked = until async_save returns (it stages before returning).
-        barrier()
-        started = time.perf_counter()
-        saving = dcp.async_save(state(), storage_writer=torch_writer(async_step), process_group=group)
-        torch_blocked = time.perf_counter() - started
-        train_step(model, optimizer, seed=repeats + step)
-        saving.result()
-        dist.all_gather_object(blocked, torch_blocked)
-        times["torch_blocked_s"].append(max(blocked))
-        template, torch_template = state(), state()
-        for tensor in tensors(template) + tensors(torch_template):
+        template = state()
+        for tensor in tensors(template):
             tensor.zero_()
         reads = {"get_s": lambda: store.fs.cat(every_object),
-                 "load_s": lambda: checkpointer.load(sync_step, template),  # noqa: B023 (run now)
-                 "torch_load_s": lambda: dcp.load(torch_template,  # noqa: B023 (run now)
-                                                  storage_reader=FsspecReader(torch_uri(sync_step), **options),  # noqa: B023
-                                                  process_group=group)}
+                 "load_s": lambda: checkpointer.load(sync_step, template)}  # noqa: B023 (run now)
         store.fs.invalidate_cache(raw)
         for key in (list(reads) if step % 2 else list(reversed(reads))):
             times[key].append(_timed(barrier, reads[key]))
         equal &= all(torch.equal(a, b) for a, b in zip(tensors(template), expected))
-        equal &= all(torch.equal(a, b) for a, b in zip(tensors(torch_template), expected))
         barrier()
         if rank == 0:  # untimed: keep the endpoint's memory from growing over the repeats
             store.fs.rm(raw, recursive=True)
-            store.fs.rm(f"{store.root}/torch", recursive=True)
             store.delete(async_step)
             if step > 1:
                 store.delete(sync_step - 2)
@@ -246,9 +206,6 @@ def bench_checkpoint(uri: str, size_mb: float = 256, workers: int = 2, repeats: 
     times = raw["times"]
     throughput = [round(p / s, 3) for p, s in zip(times["put_s"], times["save_s"])]
     loads = [round(g / load, 3) for g, load in zip(times["get_s"], times["load_s"])]
-    torch_throughput = [round(p / s, 3) for p, s in zip(times["put_s"], times["torch_save_s"])]
-    torch_loads = [round(g / load, 3) for g, load in zip(times["get_s"], times["torch_load_s"])]
-    paired = lambda a, b: round(statistics.median(x / y for x, y in zip(times[a], times[b])), 3)  # noqa: E731
     return CheckpointBench(
         uri=uri, size_mb=round(size, 1), workers=workers,
         raw_put_mb_s=round(put, 1), save_mb_s=round(save, 1), raw_get_mb_s=round(get, 1), load_mb_s=round(load, 1),
@@ -256,13 +213,6 @@ def bench_checkpoint(uri: str, size_mb: float = 256, workers: int = 2, repeats: 
         throughput_ratio=round(statistics.median(throughput), 3), load_ratio=round(statistics.median(loads), 3),
         stall_ratio=round(raw["blocked_s"] / raw["save_s"], 4), shards=raw["shards"], loaded_equal=raw["equal"],
         repeats=repeats, throughput_ratios=throughput, load_ratios=loads,
-        torch_save_mb_s=round(size / raw["torch_save_s"], 1), torch_load_mb_s=round(size / raw["torch_load_s"], 1),
-        torch_sync_save_s=round(raw["torch_save_s"], 3), torch_async_blocked_s=round(raw["torch_blocked_s"], 4),
-        torch_fsspec_throughput_ratio=round(statistics.median(torch_throughput), 3),
-        torch_fsspec_load_ratio=round(statistics.median(torch_loads), 3),
-        torch_async_save_stall_ratio=round(raw["torch_blocked_s"] / raw["torch_save_s"], 4),
-        save_vs_torch=paired("torch_save_s", "save_s"), load_vs_torch=paired("torch_load_s", "load_s"),
-        torch_throughput_ratios=torch_throughput, torch_load_ratios=torch_loads,
     )
 
 

@@ -55,8 +55,7 @@ def _show_bench(title: str, result: dict, ratios: dict[str, float]) -> None:
               help="Timed repeats; ratios are the median of each repeat's paired ratio.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, repeats: int, as_json: bool) -> None:
-    """Sharded async save and load against raw parallel multipart put/get of the same bytes, with torch's own
-    path (DCP's FsspecWriter/FsspecReader, dcp.async_save) measured beside ours in the same run (torch_*).
+    """Sharded async save and load against raw parallel multipart put/get of the same bytes.
 
     \b
     Example:
