@@ -31,11 +31,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from fsspec.asyn import sync
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter  # private: below
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.utils.serialization import config
+from torch.serialization import get_crc32_options, set_crc32_options
 
 from elastic.checkpoint.store import DCP_METADATA, file_ends
+
+# torch.distributed.checkpoint._fsspec_filesystem is private: torch 2.13 exports neither FileSystem nor
+# FsspecWriter/Reader from torch.distributed.checkpoint (dcp.save(checkpoint_id="s3://...") reaches them, but
+# without storage options or a FileSystem to subclass). See docs/architecture.md, "Private APIs we use".
 
 # Files up to this size go up in one PUT straight from the buffer DCP wrote them into; larger ones through
 # s3fs's concurrent multipart upload (its threshold: two 50 MB parts).
@@ -71,8 +75,8 @@ def _without_zip_crc() -> Generator[None, None, None]:
     global _crc_writers
     with _crc_lock:
         if _crc_writers == 0:
-            _without_zip_crc.saved = config.save.compute_crc32
-            config.save.compute_crc32 = False
+            _without_zip_crc.saved = get_crc32_options()
+            set_crc32_options(False)
         _crc_writers += 1
     try:
         yield
@@ -80,7 +84,7 @@ def _without_zip_crc() -> Generator[None, None, None]:
         with _crc_lock:
             _crc_writers -= 1
             if _crc_writers == 0:
-                config.save.compute_crc32 = _without_zip_crc.saved
+                set_crc32_options(_without_zip_crc.saved)
 
 
 class ObjectStoreFileSystem(FileSystem):
@@ -88,7 +92,8 @@ class ObjectStoreFileSystem(FileSystem):
 
     def __init__(self) -> None:
         super().__init__()
-        self.prefetched: dict[str, Future] = {}  # path (no scheme) -> the object's bytes, arriving
+        # path, as concat_path(self.path, name) spells it (DCP's reads use the same call) -> the bytes, arriving
+        self.prefetched: dict[str, Future] = {}
         self.uploads: list[Future] = []
         self._upload_pool: ThreadPoolExecutor | None = None
         # DCP serializes its files on parallel threads that all finish together, and only then does any
@@ -105,7 +110,7 @@ class ObjectStoreFileSystem(FileSystem):
                 yield stream
                 stream.close()  # DCP closes it already; a second close is a no-op
             return
-        arriving = self.prefetched.pop(self.fs._strip_protocol(path), None)
+        arriving = self.prefetched.pop(path, None)
         if arriving is not None:
             yield io.BytesIO(arriving.result())
             return
@@ -122,7 +127,8 @@ class ObjectStoreFileSystem(FileSystem):
         size = stream.seek(0, io.SEEK_END)
         stream.seek(0)
         if size < SINGLE_PUT_BYTES and _is_s3(self.fs):
-
+            # s3fs's private _call_s3: the request its public pipe_file sends, which takes bytes only (getvalue:
+            # one more copy of every file). No public call sends a buffer as it is.
             bucket, key, _ = self.fs.split_path(path)
             sync(self.fs.loop, self.fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=stream)
             self.fs.invalidate_cache(path)
@@ -240,7 +246,7 @@ class ObjectStoreReader(FsspecReader):
             downloads = {name: pool.submit(self.fs.fetch, full(name)) for name in fetch}
             arrivals = {name: downloads.get(name) or Future() for name in needed}
             for name, arriving in arrivals.items():
-                self.fs.prefetched[self.fs.fs._strip_protocol(full(name))] = arriving
+                self.fs.prefetched[full(name)] = arriving
             # DCP decodes each file as soon as it is here, on its own thread, while the broadcasts go on.
             decoding = decoder.submit(super().read_data, plan, planner)
             try:

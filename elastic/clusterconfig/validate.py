@@ -26,12 +26,15 @@ from pathlib import Path
 
 import jsonschema
 import yaml
-from ray.autoscaler._private.util import fillout_defaults, prepare_config, validate_config
+from ray.autoscaler._private.util import fillout_defaults, prepare_config, validate_config  # private: below
 
 from elastic.clusterconfig.kuberay import check_kuberay
 from elastic.clusterconfig.problems import Problem, key_path, one_line, unique
 from elastic.clusterconfig.rules import check_ray_up
 from elastic.errors import ClusterConfigError
+
+# ray.autoscaler._private.util is private: it is what `ray up` runs on a config; Ray 2.60 has no public
+# validation or defaults-filling API.
 
 __all__ = ["ClusterConfigError", "Problem", "config_kind", "load_config", "validate", "validate_file"]
 

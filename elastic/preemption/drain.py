@@ -69,6 +69,7 @@ class RayDrainer:
 
     def gcs_address(self) -> str:
         # Ray's internals only once a drain is needed: `elastic watch-preemption` polls for hours without them.
+        # Private: Ray 2.60 has no public way to resolve "auto" to the GCS address without ray.init().
         from ray._private import services
 
         try:
@@ -81,6 +82,7 @@ class RayDrainer:
 
     def client(self):
         if self._client is None:
+            # Private: the GCS client `ray drain-node` uses; Ray 2.60 has no public drain API for a non-driver.
             from ray._raylet import GcsClient
 
             self._client = GcsClient(address=self.gcs_address())
@@ -88,8 +90,9 @@ class RayDrainer:
 
     def node_id(self) -> str:
         if self._node_id is None:
-            from ray._private import services
+            from ray._private import services  # find_node_ids: no public equivalent in Ray 2.60
             from ray.core.generated.gcs_pb2 import GcsNodeInfo
+            from ray.util import get_node_ip_address
 
             try:
                 infos = self.client().get_all_node_info(timeout=self.rpc_timeout_s)
@@ -97,7 +100,7 @@ class RayDrainer:
                 raise DrainError(f"cannot list Ray nodes at {self.gcs_address()}: {err}") from None
             nodes = [NodeView(node_id.hex(), info.node_manager_address, info.state == GcsNodeInfo.GcsNodeState.ALIVE)
                      for node_id, info in infos.items()]
-            self._node_id = pick_local_node(nodes, services.find_node_ids(), services.get_node_ip_address())
+            self._node_id = pick_local_node(nodes, services.find_node_ids(), get_node_ip_address())
         return self._node_id
 
     def drain(self, deadline_s: float, message: str) -> DrainOutcome:
