@@ -32,7 +32,7 @@ class CharWindows(Dataset):
 
     def __getitem__(self, index: int):
         start = index * self.stride
-        window = self.codes[start:start + self.length + 1]
+        window = self.codes[start : start + self.length + 1]
         return window[:-1], window[1:]
 
 
@@ -69,8 +69,14 @@ def train(session) -> None:
     cfg = session.config
     torch.manual_seed(cfg.get("seed", 0))
     data = CharWindows(CORPUS.read_text(), cfg.get("length", 64), cfg.get("stride", 16))
-    model = CharTransformer(len(data.vocab), cfg.get("length", 64), cfg.get("width", 64), cfg.get("layers", 2),
-                            cfg.get("heads", 4), cfg.get("dropout", 0.1))
+    model = CharTransformer(
+        len(data.vocab),
+        cfg.get("length", 64),
+        cfg.get("width", 64),
+        cfg.get("layers", 2),
+        cfg.get("heads", 4),
+        cfg.get("dropout", 0.1),
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.get("lr", 3e-3), weight_decay=0.1)
     epochs, batch = cfg.get("epochs", 3), cfg.get("batch_size", 8)
     steps = epochs * math.ceil(len(data) / (batch * session.world_size))
@@ -83,7 +89,8 @@ def train(session) -> None:
     for epoch, (x, y) in loader.epochs(epochs):
         logits = model(x.to(session.device))
         # sum / batch keeps an empty tail batch (possible at some world sizes) from producing NaN
-        loss = F.cross_entropy(logits.flatten(0, 1), y.to(session.device).flatten(), label_smoothing=0.1,
-                               reduction="sum") / max(y.numel(), 1)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1), y.to(session.device).flatten(), label_smoothing=0.1, reduction="sum"
+        ) / max(y.numel(), 1)
         session.optimize(loss, {"epoch": epoch, "loss": loss.item(), "lr": scheduler.get_last_lr()[0]})
     session.finish({"loss": loss.item()})

@@ -31,7 +31,7 @@ class RandomShiftFlipNoise(Dataset):
         image, label = self.data[index]
         padded = F.pad(image, (self.pad,) * 4)
         top, left = torch.randint(0, 2 * self.pad + 1, (2,)).tolist()
-        image = padded[:, top:top + 8, left:left + 8]
+        image = padded[:, top : top + 8, left : left + 8]
         if random.random() < self.flip:
             image = image.flip(-1)
         image = image + torch.from_numpy(np.random.normal(0.0, self.noise, image.shape).astype(np.float32))
@@ -45,9 +45,13 @@ def train(session) -> None:
     model = DigitsNet(cfg.get("width", 16))
     model, optimizer = session.prepare(model, torch.optim.SGD(model.parameters(), lr=cfg.get("lr", 0.05), momentum=0.9))
     # Persistent workers: forked once, not at every epoch (a fork of a Ray worker costs a second here).
-    loader = session.loader(RandomShiftFlipNoise(train_set), batch_size=cfg.get("batch_size", 32),
-                            seed=cfg.get("seed", 0), num_workers=cfg.get("loader_workers", 2),
-                            persistent_workers=cfg.get("loader_workers", 2) > 0)
+    loader = session.loader(
+        RandomShiftFlipNoise(train_set),
+        batch_size=cfg.get("batch_size", 32),
+        seed=cfg.get("seed", 0),
+        num_workers=cfg.get("loader_workers", 2),
+        persistent_workers=cfg.get("loader_workers", 2) > 0,
+    )
     session.restore()
 
     epochs = cfg.get("epochs", 3)

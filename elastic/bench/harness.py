@@ -91,8 +91,9 @@ def _timed(barrier, action) -> float:
     return time.perf_counter() - started
 
 
-def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: float, repeats: int, out: str,
-                     env: dict) -> None:
+def _checkpoint_rank(
+    rank: int, world: int, port: int, run_uri: str, size_mb: float, repeats: int, out: str, env: dict
+) -> None:
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -117,18 +118,21 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
             return [t for v in tree.values() for t in tensors(v)]
         return []
 
-    live = {p.untyped_storage().data_ptr() for p in model.parameters()} | \
-        {t.untyped_storage().data_ptr() for s in optimizer.state.values() for t in s.values()
-         if isinstance(t, torch.Tensor)}
+    live = {p.untyped_storage().data_ptr() for p in model.parameters()} | {
+        t.untyped_storage().data_ptr()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    }
     deferrable = lambda tensor: tensor.untyped_storage().data_ptr() in live  # noqa: E731
     payload = torch.cat([t.flatten().float() for t in tensors(state())]).numpy().tobytes()
     # The raw baseline: the same bytes, this rank's share, in as many objects at once as our save writes files.
     threads = checkpointer.threads_for(state())
     share = len(payload) // world
-    mine = payload[rank * share: len(payload) if rank == world - 1 else (rank + 1) * share]
+    mine = payload[rank * share : len(payload) if rank == world - 1 else (rank + 1) * share]
     piece = -(-len(mine) // threads)
     raw = f"{store.root}/raw"
-    objects = {f"{raw}/part-{rank}-{i}": mine[i * piece:(i + 1) * piece] for i in range(threads)}
+    objects = {f"{raw}/part-{rank}-{i}": mine[i * piece : (i + 1) * piece] for i in range(threads)}
     every_object = [f"{raw}/part-{r}-{i}" for r in range(world) for i in range(threads)]
     barrier = dist.barrier
     put = lambda: store.fs.pipe(objects)  # noqa: E731  (s3fs sends a batch concurrently)
@@ -142,10 +146,9 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
     for step in range(1, repeats + 1):
         sync_step, async_step = 2 * step - 1, 2 * step
         expected = [t.clone() for t in tensors(state())]
-        writes = {"put_s": put,
-                  "save_s": lambda: checkpointer.save(sync_step, state(), asynchronous=False)}  # noqa: B023 (run now)
+        writes = {"put_s": put, "save_s": lambda: checkpointer.save(sync_step, state(), asynchronous=False)}  # noqa: B023 (run now)
         # Alternate which goes first: the endpoint may still be busy with what came before.
-        for key in (list(writes) if step % 2 else list(reversed(writes))):
+        for key in list(writes) if step % 2 else list(reversed(writes)):
             times[key].append(_timed(barrier, writes[key]))
         committed &= checkpointer.wait().committed
         # Async, as in training: save, then the next step's forward/backward while parameters and optimizer
@@ -161,10 +164,9 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
         template = state()
         for tensor in tensors(template):
             tensor.zero_()
-        reads = {"get_s": lambda: store.fs.cat(every_object),
-                 "load_s": lambda: checkpointer.load(sync_step, template)}  # noqa: B023 (run now)
+        reads = {"get_s": lambda: store.fs.cat(every_object), "load_s": lambda: checkpointer.load(sync_step, template)}  # noqa: B023 (run now)
         store.fs.invalidate_cache(raw)
-        for key in (list(reads) if step % 2 else list(reversed(reads))):
+        for key in list(reads) if step % 2 else list(reversed(reads)):
             times[key].append(_timed(barrier, reads[key]))
         equal &= all(torch.equal(a, b) for a, b in zip(tensors(template), expected))
         barrier()
@@ -180,8 +182,18 @@ def _checkpoint_rank(rank: int, world: int, port: int, run_uri: str, size_mb: fl
     if rank == 0:
         info = store.info(2 * repeats - 1)
         medians = {key: statistics.median(values) for key, values in times.items()}
-        Path(out).write_text(json.dumps({**medians, "times": times, "committed": committed, "shards": info.shards,
-                                         "bytes": len(payload), "equal": all(equal_all)}))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    **medians,
+                    "times": times,
+                    "committed": committed,
+                    "shards": info.shards,
+                    "bytes": len(payload),
+                    "equal": all(equal_all),
+                }
+            )
+        )
         store.fs.rm(store.root, recursive=True)
     dist.destroy_process_group()
 
@@ -194,8 +206,12 @@ def bench_checkpoint(uri: str, size_mb: float = 256, workers: int = 2, repeats: 
     env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "FSSPEC_"))}
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/result.json"
-        mp.spawn(_checkpoint_rank, args=(workers, _free_port(), run_uri, size_mb, repeats, out, env), nprocs=workers,
-                 join=True)
+        mp.spawn(
+            _checkpoint_rank,
+            args=(workers, _free_port(), run_uri, size_mb, repeats, out, env),
+            nprocs=workers,
+            join=True,
+        )
         raw = json.loads(Path(out).read_text())
     if not raw["committed"]:
         raise RuntimeError("a benchmark checkpoint did not commit; see the log above")
@@ -207,12 +223,23 @@ def bench_checkpoint(uri: str, size_mb: float = 256, workers: int = 2, repeats: 
     throughput = [round(p / s, 3) for p, s in zip(times["put_s"], times["save_s"])]
     loads = [round(g / load, 3) for g, load in zip(times["get_s"], times["load_s"])]
     return CheckpointBench(
-        uri=uri, size_mb=round(size, 1), workers=workers,
-        raw_put_mb_s=round(put, 1), save_mb_s=round(save, 1), raw_get_mb_s=round(get, 1), load_mb_s=round(load, 1),
-        sync_save_s=round(raw["save_s"], 3), async_blocked_s=round(raw["blocked_s"], 4),
-        throughput_ratio=round(statistics.median(throughput), 3), load_ratio=round(statistics.median(loads), 3),
-        stall_ratio=round(raw["blocked_s"] / raw["save_s"], 4), shards=raw["shards"], loaded_equal=raw["equal"],
-        repeats=repeats, throughput_ratios=throughput, load_ratios=loads,
+        uri=uri,
+        size_mb=round(size, 1),
+        workers=workers,
+        raw_put_mb_s=round(put, 1),
+        save_mb_s=round(save, 1),
+        raw_get_mb_s=round(get, 1),
+        load_mb_s=round(load, 1),
+        sync_save_s=round(raw["save_s"], 3),
+        async_blocked_s=round(raw["blocked_s"], 4),
+        throughput_ratio=round(statistics.median(throughput), 3),
+        load_ratio=round(statistics.median(loads), 3),
+        stall_ratio=round(raw["blocked_s"] / raw["save_s"], 4),
+        shards=raw["shards"],
+        loaded_equal=raw["equal"],
+        repeats=repeats,
+        throughput_ratios=throughput,
+        load_ratios=loads,
     )
 
 
@@ -287,8 +314,9 @@ def _overhead_worker(config: dict) -> None:
         bare_opt.step()
 
     def harness(every_steps: int):
-        spec = JobSpec.model_validate({**config["spec"], "checkpoint": {**config["spec"]["checkpoint"],
-                                                                        "every_steps": every_steps}})
+        spec = JobSpec.model_validate(
+            {**config["spec"], "checkpoint": {**config["spec"]["checkpoint"], "every_steps": every_steps}}
+        )
         session = Session(spec, config["run_names"][str(every_steps)])
         model = _bench_model(width)
         model, optimizer = session.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -297,13 +325,14 @@ def _overhead_worker(config: dict) -> None:
         def one_step(batch_data) -> None:
             x, y = batch_data
             session.optimize(F.cross_entropy(model(x), y))
+
         return session, loader, one_step
 
     def endless(loader):
         while True:
             yield from loader
 
-    _, quiet_loader, quiet_step = harness(10 ** 9)  # checkpoints off
+    _, quiet_loader, quiet_step = harness(10**9)  # checkpoints off
     saving, saving_loader, saving_step = harness(every)
 
     # The floor: the bare loop plus a raw PUT of this rank's share of the state's bytes every `every` steps, in
@@ -322,18 +351,23 @@ def _overhead_worker(config: dict) -> None:
         if raw_put["count"] % every == 0:
             wait_raw_put()
             if raw_put["payload"] is None:  # built once, untimed: the floor counts the transfer alone
-                state = [p.detach() for p in bare_model.parameters()] + \
-                    [t for s in bare_opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+                state = [p.detach() for p in bare_model.parameters()] + [
+                    t for s in bare_opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()
+                ]
                 flat = torch.cat([t.flatten().float() for t in state]).numpy().tobytes()
                 share = len(flat) // world
-                raw_put["payload"] = flat[rank * share:(rank + 1) * share]
-            raw_put["thread"] = threading.Thread(target=saving.store.fs.pipe_file,
-                                                 args=(raw_path, raw_put["payload"]), daemon=True)
+                raw_put["payload"] = flat[rank * share : (rank + 1) * share]
+            raw_put["thread"] = threading.Thread(
+                target=saving.store.fs.pipe_file, args=(raw_path, raw_put["payload"]), daemon=True
+            )
             raw_put["thread"].start()
 
-    variants = {"bare": (endless(bare_loader), bare_step), "harness": (endless(quiet_loader), quiet_step),
-                "harness_ckpt": (endless(saving_loader), saving_step),
-                "bare_put": (endless(bare_loader), bare_put_step)}
+    variants = {
+        "bare": (endless(bare_loader), bare_step),
+        "harness": (endless(quiet_loader), quiet_step),
+        "harness_ckpt": (endless(saving_loader), saving_step),
+        "bare_put": (endless(bare_loader), bare_put_step),
+    }
 
     def block(name: str) -> float:
         batches, step_fn = variants[name]
@@ -360,22 +394,37 @@ def _overhead_worker(config: dict) -> None:
     times: dict[str, list[float]] = {name: [] for name in variants}
     for index in range(rounds):
         # Rotate the order: each variant follows each other one equally often.
-        for name in names[index % len(names):] + names[:index % len(names)]:
+        for name in names[index % len(names) :] + names[: index % len(names)]:
             times[name].append(block(name))
     committed = sum(1 for r in saving.checkpointer.results if r.committed)
-    timed_saves = [r for r in saving.checkpointer.results[-rounds * (steps // every):] if r.committed]
+    timed_saves = [r for r in saving.checkpointer.results[-rounds * (steps // every) :] if r.committed]
     stall = statistics.mean(r.blocked_seconds for r in timed_saves) if timed_saves else 0.0
     save_seconds = statistics.mean(r.total_seconds for r in timed_saves) if timed_saves else 0.0
     if rank == 0:
         # Train V2 hands the driver only checkpointed metrics: the result goes next to the run's checkpoints.
         with saving.store.fs.open(f"{saving.store.root}/{OVERHEAD_RESULT}", "w") as handle:
-            json.dump({"times": times, "committed": committed, "stall_s": stall, "save_s": save_seconds,
-                       "tail_wait_s": statistics.mean(tail_waits[1:] or [0.0])}, handle)
+            json.dump(
+                {
+                    "times": times,
+                    "committed": committed,
+                    "stall_s": stall,
+                    "save_s": save_seconds,
+                    "tail_wait_s": statistics.mean(tail_waits[1:] or [0.0]),
+                },
+                handle,
+            )
     dist.barrier()
 
 
-def bench_overhead(uri: str, workers: int = 2, rounds: int = 12, steps: int = 40, every_steps: int = 20,
-                   width: int = 1024, batch: int = 256) -> OverheadBench:
+def bench_overhead(
+    uri: str,
+    workers: int = 2,
+    rounds: int = 12,
+    steps: int = 40,
+    every_steps: int = 20,
+    width: int = 1024,
+    batch: int = 256,
+) -> OverheadBench:
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -383,20 +432,29 @@ def bench_overhead(uri: str, workers: int = 2, rounds: int = 12, steps: int = 40
     check_storage(uri)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = f"bench-overhead-{stamp}"
-    spec = JobSpec.model_validate({
-        "name": "bench-overhead", "entrypoint": "elastic.bench.harness:unused",
-        "workers": {"min": workers, "cpus": 1},
-        "checkpoint": {"uri": uri, "every_steps": every_steps, "keep": 2},
-    })
+    spec = JobSpec.model_validate(
+        {
+            "name": "bench-overhead",
+            "entrypoint": "elastic.bench.harness:unused",
+            "workers": {"min": workers, "cpus": 1},
+            "checkpoint": {"uri": uri, "every_steps": every_steps, "keep": 2},
+        }
+    )
     ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
     filesystem, storage_path = pyarrow_filesystem(uri)
     trainer = TorchTrainer(
         _overhead_worker,
-        train_loop_config={"spec": spec.model_dump(mode="json"), "width": width, "batch": batch, "steps": steps,
-                           "rounds": rounds, "every_steps": every_steps,
-                           # Both harness variants report into this run's folder; separate subfolders keep
-                           # their checkpoints apart.
-                           "run_names": {str(10 ** 9): name, str(every_steps): name}},
+        train_loop_config={
+            "spec": spec.model_dump(mode="json"),
+            "width": width,
+            "batch": batch,
+            "steps": steps,
+            "rounds": rounds,
+            "every_steps": every_steps,
+            # Both harness variants report into this run's folder; separate subfolders keep
+            # their checkpoints apart.
+            "run_names": {str(10**9): name, str(every_steps): name},
+        },
         scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name=name, storage_path=storage_path, storage_filesystem=filesystem),
     )
@@ -406,20 +464,28 @@ def bench_overhead(uri: str, workers: int = 2, rounds: int = 12, steps: int = 40
     with store.fs.open(f"{store.root}/{OVERHEAD_RESULT}", "r") as handle:
         measured = json.load(handle)
     times = measured["times"]
-    bare, quiet, saving, putting = (statistics.median(times[k]) for k in ("bare", "harness", "harness_ckpt",
-                                                                          "bare_put"))
+    bare, quiet, saving, putting = (
+        statistics.median(times[k]) for k in ("bare", "harness", "harness_ckpt", "bare_put")
+    )
     # Ratios within a round (adjacent blocks), then the median over rounds: a slow spell of the shared machine
     # moves a round's variants together, and falls out of their ratio.
     paired = lambda key: statistics.median(a / b for a, b in zip(times[key], times["bare"]))  # noqa: E731
     per_step = 1000
     return OverheadBench(
-        workers=workers, rounds=rounds, steps_per_block=steps,
-        bare_step_ms=round(bare * per_step, 3), harness_step_ms=round(quiet * per_step, 3),
+        workers=workers,
+        rounds=rounds,
+        steps_per_block=steps,
+        bare_step_ms=round(bare * per_step, 3),
+        harness_step_ms=round(quiet * per_step, 3),
         harness_ckpt_step_ms=round(saving * per_step, 3),
-        overhead_ratio=round(paired("harness"), 4), ckpt_overhead_ratio=round(paired("harness_ckpt"), 4),
-        bare_put_step_ms=round(putting * per_step, 3), put_overhead_ratio=round(paired("bare_put"), 4),
-        checkpoints_committed=int(measured["committed"]), checkpoint_every_steps=every_steps,
-        save_stall_ms=round(measured["stall_s"] * 1000, 2), save_ms=round(measured["save_s"] * 1000, 1),
+        overhead_ratio=round(paired("harness"), 4),
+        ckpt_overhead_ratio=round(paired("harness_ckpt"), 4),
+        bare_put_step_ms=round(putting * per_step, 3),
+        put_overhead_ratio=round(paired("bare_put"), 4),
+        checkpoints_committed=int(measured["committed"]),
+        checkpoint_every_steps=every_steps,
+        save_stall_ms=round(measured["stall_s"] * 1000, 2),
+        save_ms=round(measured["save_s"] * 1000, 1),
         block_end_wait_ms=round(measured["tail_wait_s"] * 1000, 1),
     )
 

@@ -61,13 +61,25 @@ def read_timeline(folder: str) -> list[dict]:
             continue
         _, start, node, started = lines[0].split()
         # the ranks of one attempt start within a second of each other: group them under rank 0's file
-        attempts.setdefault(path.name, {"start": int(start), "started": float(started), "rank": int(rank_part),
-                                        "node": node, "steps": [(int(s), float(t)) for _, s, t in
-                                                                (line.split() for line in lines[1:])]})
+        attempts.setdefault(
+            path.name,
+            {
+                "start": int(start),
+                "started": float(started),
+                "rank": int(rank_part),
+                "node": node,
+                "steps": [(int(s), float(t)) for _, s, t in (line.split() for line in lines[1:])],
+            },
+        )
     ranks0 = sorted((a for a in attempts.values() if a["rank"] == 0), key=lambda a: a["started"])
     for attempt in ranks0:
-        attempt["nodes"] = sorted({a["node"] for a in attempts.values()
-                                   if abs(a["started"] - attempt["started"]) < 30 and a["start"] == attempt["start"]})
+        attempt["nodes"] = sorted(
+            {
+                a["node"]
+                for a in attempts.values()
+                if abs(a["started"] - attempt["started"]) < 30 and a["start"] == attempt["start"]
+            }
+        )
     return ranks0
 
 
@@ -121,7 +133,7 @@ def _bare_loop(config: dict) -> None:
     batch = config["batch"]
     while step < config["steps"]:
         start = ((step * world + rank) * batch) % (SAMPLES - batch)
-        x, y = data.tensors[0][start:start + batch], data.tensors[1][start:start + batch]
+        x, y = data.tensors[0][start : start + batch], data.tensors[1][start : start + batch]
         loss = F.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -132,8 +144,10 @@ def _bare_loop(config: dict) -> None:
             with tempfile.TemporaryDirectory() as folder:
                 saved = None
                 if rank == 0:
-                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                               Path(folder) / "state.pt")
+                    torch.save(
+                        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                        Path(folder) / "state.pt",
+                    )
                     saved = ray.train.Checkpoint.from_directory(folder)
                 ray.train.report({"step": step}, checkpoint=saved)
 
@@ -149,13 +163,23 @@ def bare_main(argv: list[str]) -> None:
     filesystem, storage_path = pyarrow_filesystem(uri)
     TorchTrainer(
         _bare_loop,
-        train_loop_config={"timeline": timeline, "steps": int(steps), "width": int(width), "batch": int(batch),
-                           "every_steps": int(every)},
+        train_loop_config={
+            "timeline": timeline,
+            "steps": int(steps),
+            "width": int(width),
+            "batch": int(batch),
+            "every_steps": int(every),
+        },
         torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ScalingConfig(num_workers=int(workers), resources_per_worker={"CPU": 1},
-                                     label_selector=worker_selector("spot")),
-        run_config=RunConfig(name=name, storage_path=storage_path, storage_filesystem=filesystem,
-                             failure_config=FailureConfig(max_failures=-1, max_preemption_failures=-1)),
+        scaling_config=ScalingConfig(
+            num_workers=int(workers), resources_per_worker={"CPU": 1}, label_selector=worker_selector("spot")
+        ),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage_path,
+            storage_filesystem=filesystem,
+            failure_config=FailureConfig(max_failures=-1, max_preemption_failures=-1),
+        ),
     ).fit()
 
 

@@ -69,8 +69,13 @@ def train_small(session) -> None:
     cfg = session.config
     width, batch = int(cfg.get("width", 1024)), int(cfg.get("batch", 256))
     torch.manual_seed(int(cfg.get("seed", 0)))
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-                                torch.nn.ReLU(), torch.nn.Linear(width, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, 10),
+    )
     model, optimizer = session.prepare(model, torch.optim.AdamW(model.parameters(), lr=float(cfg.get("lr", 1e-3))))
     session.restore()
     x = torch.randn(batch, width, device=session.device)
@@ -86,41 +91,84 @@ def train_small(session) -> None:
 
 
 def _job(name: str, entrypoint: str, uri: str, config: dict, cpus: float, market: str = "any") -> JobSpec:
-    return JobSpec.model_validate({
-        "name": name, "entrypoint": entrypoint, "config": config,
-        "workers": {"min": 1, "cpus": cpus, "market": market},
-        "checkpoint": {"uri": uri, "every_steps": 10 ** 9}, "failure": {"max_failures": 0},
-    })
+    return JobSpec.model_validate(
+        {
+            "name": name,
+            "entrypoint": entrypoint,
+            "config": config,
+            "workers": {"min": 1, "cpus": cpus, "market": market},
+            "checkpoint": {"uri": uri, "every_steps": 10**9},
+            "failure": {"max_failures": 0},
+        }
+    )
 
 
-def bench_concurrency(uri: str, share: float, trials: int | None, hold_s: float, cpus: float,
-                      say: Callable[[str], None], market: str = "any") -> dict:
+def bench_concurrency(
+    uri: str,
+    share: float,
+    trials: int | None,
+    hold_s: float,
+    cpus: float,
+    say: Callable[[str], None],
+    market: str = "any",
+) -> dict:
     gpus = market_gpus(market)
     if gpus <= 0:
-        raise ClusterError("no GPUs on the cluster's worker nodes; start the local stack with --gpus-per-node 1 "
-                           "(logical GPUs) or run on a GPU cluster")
+        raise ClusterError(
+            "no GPUs on the cluster's worker nodes; start the local stack with --gpus-per-node 1 "
+            "(logical GPUs) or run on a GPU cluster"
+        )
     per_gpu = max(1, math.floor(1 / share + 1e-9))
     trials = trials or int(per_gpu * gpus)
     requested = min(trials, packing.concurrency_cap(per_gpu, gpus, 1))
     stamp = f"{time.strftime('%m%d%H%M%S')}-{uuid.uuid4().hex[:4]}"
     name = f"bench-packing-{stamp}"
     barrier = parse_uri(uri).child(name, BARRIER).uri
-    job = _job(name, "elastic.bench.packing:hold", uri, {"hold": hold_s, "requested": requested,
-                                                         "barrier": barrier}, cpus, market)
-    sweep = SweepSpec.model_validate({
-        "name": name, "job": "(built in)", "space": {"seed": {"grid": list(range(trials))}}, "metric": "left",
-        "mode": "max", "gpu_share": share, "max_concurrent": trials, "storage": uri, "max_failures": 0})
-    say(f"bench packing: {trials} trial(s) at share {share} on {gpus:g} {market} GPU(s); requested concurrency "
-        f"{requested}")
+    job = _job(
+        name,
+        "elastic.bench.packing:hold",
+        uri,
+        {"hold": hold_s, "requested": requested, "barrier": barrier},
+        cpus,
+        market,
+    )
+    sweep = SweepSpec.model_validate(
+        {
+            "name": name,
+            "job": "(built in)",
+            "space": {"seed": {"grid": list(range(trials))}},
+            "metric": "left",
+            "mode": "max",
+            "gpu_share": share,
+            "max_concurrent": trials,
+            "storage": uri,
+            "max_failures": 0,
+        }
+    )
+    say(
+        f"bench packing: {trials} trial(s) at share {share} on {gpus:g} {market} GPU(s); requested concurrency "
+        f"{requested}"
+    )
     started = time.time()
     result = run_sweep(sweep, job, say=say)
     ended = time.time()
-    return {**summarize_concurrency(result, uri, name, share, gpus, trials, requested, started, ended),
-            "market": market}
+    return {
+        **summarize_concurrency(result, uri, name, share, gpus, trials, requested, started, ended),
+        "market": market,
+    }
 
 
-def summarize_concurrency(result: dict, uri: str, name: str, share: float, gpus: float, trials: int,
-                          requested: int, started: float, ended: float) -> dict:
+def summarize_concurrency(
+    result: dict,
+    uri: str,
+    name: str,
+    share: float,
+    gpus: float,
+    trials: int,
+    requested: int,
+    started: float,
+    ended: float,
+) -> dict:
     intervals, driver_delay, startup, per_gpu = [], [], [], {}
     for trial in result["trials"]:
         run = parse_uri(uri).child(name, "train", f"{name}-{trial['trial_id']}")
@@ -138,17 +186,22 @@ def summarize_concurrency(result: dict, uri: str, name: str, share: float, gpus:
             if "arrived" in metrics:
                 startup.append(metrics["arrived"] - first)
     reached = max_overlap(intervals)
-    mean = (lambda xs: round(sum(xs) / len(xs), 2) if xs else None)
+    mean = lambda xs: round(sum(xs) / len(xs), 2) if xs else None
     return {
-        "share": share, "gpus": gpus, "trials": trials, "requested_concurrency": requested,
-        "reached_concurrency": reached, "trials_per_gpu": {k: len(v) for k, v in sorted(per_gpu.items())},
+        "share": share,
+        "gpus": gpus,
+        "trials": trials,
+        "requested_concurrency": requested,
+        "reached_concurrency": reached,
+        "trials_per_gpu": {k: len(v) for k, v in sorted(per_gpu.items())},
         "wall_s": round(ended - started, 1),
-        "scheduling_overhead_s": {"fit_to_trial_driver_mean": mean(driver_delay),
-                                  "fit_to_trial_driver_max": round(max(driver_delay), 2) if driver_delay else None,
-                                  "driver_to_worker_mean": mean(startup),
-                                  "driver_to_worker_max": round(max(startup), 2) if startup else None,
-                                  "fit_to_all_workers": round(max(a for a, _ in intervals) - started, 2)
-                                  if intervals else None},
+        "scheduling_overhead_s": {
+            "fit_to_trial_driver_mean": mean(driver_delay),
+            "fit_to_trial_driver_max": round(max(driver_delay), 2) if driver_delay else None,
+            "driver_to_worker_mean": mean(startup),
+            "driver_to_worker_max": round(max(startup), 2) if startup else None,
+            "fit_to_all_workers": round(max(a for a, _ in intervals) - started, 2) if intervals else None,
+        },
         "errors": result["errors"],
     }
 
@@ -188,8 +241,12 @@ class UtilizationSampler:
     def _run(self):
         while not self._stop.wait(1.0):
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=5).stdout
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                ).stdout
                 values = [float(v) for v in out.split()]
                 if values:
                     self.samples.append(sum(values) / len(values))
@@ -201,34 +258,55 @@ class UtilizationSampler:
         return round(sum(self.samples) / len(self.samples), 1) if self.samples else None
 
 
-def bench_compare(uri: str, trials: int, steps: int, width: int, batch: int, gpu_memory_gb: float | None,
-                  say: Callable[[str], None]) -> dict:
+def bench_compare(
+    uri: str, trials: int, steps: int, width: int, batch: int, gpu_memory_gb: float | None, say: Callable[[str], None]
+) -> dict:
     """The same sweep of small trials with gpu_share auto, then 1.0; trials per hour and GPU utilization."""
     stamp = f"{time.strftime('%m%d%H%M%S')}-{uuid.uuid4().hex[:4]}"
     rows: dict[str, Any] = {}
     for label, share in (("auto", "auto"), ("whole_gpu", 1.0)):
         name = f"bench-compare-{label.replace('_', '-')}-{stamp}"
-        job = _job(name, "elastic.bench.packing:train_small", uri,
-                   {"steps": steps, "width": width, "batch": batch}, cpus=0.25)
+        job = _job(
+            name, "elastic.bench.packing:train_small", uri, {"steps": steps, "width": width, "batch": batch}, cpus=0.25
+        )
         packing_cfg = {"max_per_gpu": 8, "probe_steps": 20, "max_oom_retries": 2}
         if gpu_memory_gb:
             packing_cfg.update(gpu_memory_gb=gpu_memory_gb, device_memory_gb=16)
-        sweep = SweepSpec.model_validate({
-            "name": name, "job": "(built in)", "space": {"seed": {"grid": list(range(trials))}}, "metric": "loss",
-            "mode": "min", "gpu_share": share, "storage": uri, "packing": packing_cfg})
+        sweep = SweepSpec.model_validate(
+            {
+                "name": name,
+                "job": "(built in)",
+                "space": {"seed": {"grid": list(range(trials))}},
+                "metric": "loss",
+                "mode": "min",
+                "gpu_share": share,
+                "storage": uri,
+                "packing": packing_cfg,
+            }
+        )
         say(f"bench compare: {label}: {trials} trials of {steps} steps")
         with UtilizationSampler() as sampler:
             started = time.monotonic()
             result = run_sweep(sweep, job, say=say)
             seconds = time.monotonic() - started
         finished = sum(t["state"] == "TERMINATED" for t in result["trials"])
-        rows[label] = {"trials_finished": finished, "seconds": round(seconds, 1),
-                       "trials_per_hour": round(finished * 3600 / seconds, 1), "mean_gpu_util": sampler.mean,
-                       "trials_per_gpu": result["plan"]["trials_per_gpu"], "share": result["plan"]["share"],
-                       "oom_retries": sum(t["ooms"] for t in result["trials"]), "errors": result["errors"]}
+        rows[label] = {
+            "trials_finished": finished,
+            "seconds": round(seconds, 1),
+            "trials_per_hour": round(finished * 3600 / seconds, 1),
+            "mean_gpu_util": sampler.mean,
+            "trials_per_gpu": result["plan"]["trials_per_gpu"],
+            "share": result["plan"]["share"],
+            "oom_retries": sum(t["ooms"] for t in result["trials"]),
+            "errors": result["errors"],
+        }
     whole = rows["whole_gpu"]["trials_per_hour"] or 1e-9
-    return {**rows, "speedup": round(rows["auto"]["trials_per_hour"] / whole, 2),
-            "lost_to_oom": rows["auto"]["errors"] + rows["whole_gpu"]["errors"], "cuda": _cuda()}
+    return {
+        **rows,
+        "speedup": round(rows["auto"]["trials_per_hour"] / whole, 2),
+        "lost_to_oom": rows["auto"]["errors"] + rows["whole_gpu"]["errors"],
+        "cuda": _cuda(),
+    }
 
 
 def _cuda() -> bool:

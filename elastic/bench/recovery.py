@@ -86,16 +86,21 @@ class _Run:
             self.job_id = f"{self.name}-job"
             submit.client(target).submit_job(
                 entrypoint=f"{sys.executable} -m elastic.bench.jobs {self.name} {self.timeline} {self.steps} "
-                           f"{WIDTH} {BATCH} {EVERY_STEPS} {uri} {self.workers}",
-                submission_id=self.job_id, entrypoint_label_selector=submit.driver_placement(target))
+                f"{WIDTH} {BATCH} {EVERY_STEPS} {uri} {self.workers}",
+                submission_id=self.job_id,
+                entrypoint_label_selector=submit.driver_placement(target),
+            )
             return
-        spec = JobSpec.model_validate({
-            "name": self.name, "entrypoint": "elastic.bench.jobs:harness_train",
-            "config": {"width": WIDTH, "batch": BATCH, "steps": self.steps, "timeline": self.timeline},
-            "workers": {"min": self.workers, "cpus": 1, "market": "spot"},
-            "checkpoint": {"uri": f"s3://{self.state.bucket}/bench", "every_steps": EVERY_STEPS, "keep": 2},
-            "failure": {"max_failures": -1, "max_preemptions": -1},
-        })
+        spec = JobSpec.model_validate(
+            {
+                "name": self.name,
+                "entrypoint": "elastic.bench.jobs:harness_train",
+                "config": {"width": WIDTH, "batch": BATCH, "steps": self.steps, "timeline": self.timeline},
+                "workers": {"min": self.workers, "cpus": 1, "market": "spot"},
+                "checkpoint": {"uri": f"s3://{self.state.bucket}/bench", "every_steps": EVERY_STEPS, "keep": 2},
+                "failure": {"max_failures": -1, "max_preemptions": -1},
+            }
+        )
         self.job_id = submit.submit(spec, target, working_dir=Path(__file__).resolve().parents[1]).job_id
 
     def attempts(self) -> list[dict]:
@@ -150,8 +155,14 @@ def _reclaim(run: _Run, notice: float | None, log) -> Outcome:
     steps = [t for s, t in old["steps"]]
     step_seconds = statistics.median(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 2 else 0.0
     lost = max(s for s, _ in old["steps"]) - resumed["start"]
-    return Outcome(lost_steps=max(0, lost), recovery_s=round(resumed["steps"][0][1] - killed_at, 2),
-                   resumed_step=resumed["start"], killed_at=killed_at, step_seconds=step_seconds, idle=idle)
+    return Outcome(
+        lost_steps=max(0, lost),
+        recovery_s=round(resumed["steps"][0][1] - killed_at, 2),
+        resumed_step=resumed["start"],
+        killed_at=killed_at,
+        step_seconds=step_seconds,
+        idle=idle,
+    )
 
 
 def _first_step(run: _Run, attempts_before: int, timeout: float = 600) -> dict:
@@ -192,8 +203,9 @@ def _goodput(run: _Run) -> tuple[float, int, list[float]]:
     return counted / (last - first), len(attempts) - 1, gaps
 
 
-def bench_recovery(notice: float = 20.0, workers: int = 2, minutes: float | None = None, every: float = 120.0,
-                   log=print) -> RecoveryBench:
+def bench_recovery(
+    notice: float = 20.0, workers: int = 2, minutes: float | None = None, every: float = 120.0, log=print
+) -> RecoveryBench:
     state = local.running_state()
     if state is None:
         raise ClusterError("bench recovery runs on the local stack; start it with `elastic local up --spot 3`")
@@ -213,8 +225,10 @@ def bench_recovery(notice: float = 20.0, workers: int = 2, minutes: float | None
                 outcome = _reclaim(run, notice_for, log)
                 run.wait_for_step(outcome.resumed_step + 10, after_attempts=0)
                 results[kind] = outcome
-                log(f"  lost {outcome.lost_steps} steps, first resumed step {outcome.recovery_s:.1f} s after "
-                    "the node died")
+                log(
+                    f"  lost {outcome.lost_steps} steps, first resumed step {outcome.recovery_s:.1f} s after "
+                    "the node died"
+                )
             finally:
                 run.stop()
         good = preemptions = gaps = None
@@ -234,13 +248,22 @@ def bench_recovery(notice: float = 20.0, workers: int = 2, minutes: float | None
                 run.stop()
         notice_run, hard, bare = results["notice"], results["hard"], results["bare"]
         return RecoveryBench(
-            notice_seconds=notice, checkpoint_every_steps=EVERY_STEPS, workers=workers,
+            notice_seconds=notice,
+            checkpoint_every_steps=EVERY_STEPS,
+            workers=workers,
             step_ms=round(notice_run.step_seconds * 1000, 2),
-            lost_steps_notice=notice_run.lost_steps, notice_idle_s=notice_run.idle,
-            recovery_s=notice_run.recovery_s, lost_steps_hard=hard.lost_steps, hard_recovery_s=hard.recovery_s,
-            bare_ray_recovery_s=bare.recovery_s, bare_ray_lost_steps=bare.lost_steps,
+            lost_steps_notice=notice_run.lost_steps,
+            notice_idle_s=notice_run.idle,
+            recovery_s=notice_run.recovery_s,
+            lost_steps_hard=hard.lost_steps,
+            hard_recovery_s=hard.recovery_s,
+            bare_ray_recovery_s=bare.recovery_s,
+            bare_ray_lost_steps=bare.lost_steps,
             recovery_ratio=round(notice_run.recovery_s / bare.recovery_s, 3) if bare.recovery_s > 0 else float("nan"),
-            goodput=round(good, 4) if good is not None else None, goodput_minutes=minutes,
-            goodput_preemptions=preemptions, goodput_gaps_s=gaps)
+            goodput=round(good, 4) if good is not None else None,
+            goodput_minutes=minutes,
+            goodput_preemptions=preemptions,
+            goodput_gaps_s=gaps,
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)

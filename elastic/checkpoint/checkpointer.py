@@ -37,6 +37,7 @@ class SaveResult:
 def _describe_failure(err: BaseException) -> str:
     """One line naming the cause. DCP's CheckpointException prints only "ranks:dict_keys([1])" on its first
     line; the failing ranks' own exceptions are in `failures`."""
+
     def one_line(error: BaseException) -> str:
         text = str(error).strip()
         return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]
@@ -53,10 +54,18 @@ class ShardedCheckpointer:
     the training loop's DDP all-reduces on the default group.
     """
 
-    def __init__(self, store: CheckpointStore, rank: int, world_size: int, process_group=None,
-                 retries: int = 3, backoff_seconds: float = 1.0,
-                 on_commit: Callable[[SaveResult], None] | None = None, io_threads: int = 8,
-                 on_failure: Callable[[SaveResult], None] | None = None):
+    def __init__(
+        self,
+        store: CheckpointStore,
+        rank: int,
+        world_size: int,
+        process_group=None,
+        retries: int = 3,
+        backoff_seconds: float = 1.0,
+        on_commit: Callable[[SaveResult], None] | None = None,
+        io_threads: int = 8,
+        on_failure: Callable[[SaveResult], None] | None = None,
+    ):
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -79,8 +88,14 @@ class ShardedCheckpointer:
         self.results: list[SaveResult] = []
 
     # -- save
-    def save(self, step: int, state: dict[str, Any], asynchronous: bool = True,
-             deferrable: Callable[[Any], bool] | None = None, reason: str = "periodic") -> Future:
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        asynchronous: bool = True,
+        deferrable: Callable[[Any], bool] | None = None,
+        reason: str = "periodic",
+    ) -> Future:
         """Stage `state` to host memory, then write and commit it in the background.
 
         With `deferrable` (async only), tensors it accepts (parameters and optimizer state: changed only by
@@ -145,8 +160,9 @@ class ShardedCheckpointer:
             ok, error, files = self._attempt(step, staged)
             # Every rank must agree on the outcome, or one rank would retry a collective save alone.
             if self._all_ranks_agree(ok):
-                result = SaveResult(step, True, blocked + self._waited, time.perf_counter() - started, attempt,
-                                    files=files)
+                result = SaveResult(
+                    step, True, blocked + self._waited, time.perf_counter() - started, attempt, files=files
+                )
                 self.results.append(result)
                 if self.on_commit:
                     self.on_commit(result)
@@ -155,8 +171,7 @@ class ShardedCheckpointer:
             log.warning("checkpoint step %d attempt %d failed: %s", step, attempt, error)
             if attempt <= self.retries:
                 time.sleep(self.backoff_seconds * 2 ** (attempt - 1))
-        result = SaveResult(step, False, blocked + self._waited, time.perf_counter() - started,
-                            self.retries + 1, error)
+        result = SaveResult(step, False, blocked + self._waited, time.perf_counter() - started, self.retries + 1, error)
         self.results.append(result)
         if self.on_failure:
             self.on_failure(result)
@@ -164,8 +179,12 @@ class ShardedCheckpointer:
 
     def _attempt(self, step: int, staged: dict) -> tuple[bool, str | None, dict[str, int]]:
         try:
-            writer = storage_writer(self.store.uri(step), self.store.location.is_object_store,
-                                    self.threads_for(staged), **self.store.writer_options())
+            writer = storage_writer(
+                self.store.uri(step),
+                self.store.location.is_object_store,
+                self.threads_for(staged),
+                **self.store.writer_options(),
+            )
             self.fault_hook(step, "write")
             dcp.save(staged, storage_writer=writer, process_group=self.group)
             # dcp.save returns on rank 0 only after gathering every rank's write results and writing
@@ -173,8 +192,9 @@ class ShardedCheckpointer:
             files: dict[str, int] = {}
             if self.rank == 0:
                 self.fault_hook(step, "commit")
-                files = self.store.commit(step, self.world_size, extra={"reason": self._reason},
-                                          files=getattr(writer, "file_sizes", None)).files
+                files = self.store.commit(
+                    step, self.world_size, extra={"reason": self._reason}, files=getattr(writer, "file_sizes", None)
+                ).files
             return True, None, files
         # DCP raises CheckpointException (a BaseException) alike on every rank; storage errors vary by backend.
         except (Exception, CheckpointException) as err:
@@ -196,8 +216,12 @@ class ShardedCheckpointer:
     # -- load
     def load(self, step: int, state: dict[str, Any]) -> dict[str, Any]:
         """Fill `state` (a template with the tensors to load) from checkpoint `step`; reshards as needed."""
-        reader = storage_reader(self.store.uri(step), self.store.location.is_object_store,
-                                process_group=self.group, **self.store.writer_options())
+        reader = storage_reader(
+            self.store.uri(step),
+            self.store.location.is_object_store,
+            process_group=self.group,
+            **self.store.writer_options(),
+        )
         dcp.load(state, storage_reader=reader, process_group=self.group)
         return state
 
@@ -212,20 +236,26 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def _stage_into(value: Any, buffer: Any, deferrable: Callable[[Any], bool] | None = None,
-                copies: list | None = None) -> Any:
+def _stage_into(
+    value: Any, buffer: Any, deferrable: Callable[[Any], bool] | None = None, copies: list | None = None
+) -> Any:
     """Copy tensors into host buffers the loop will not touch (training keeps updating the originals).
 
     Buffers are reused between saves, so after the first save staging is a memcpy per tensor. Tensors that
     `deferrable` accepts get their buffer now and their copy queued in `copies` for the background thread."""
     if isinstance(value, torch.Tensor):
         source = value.detach()
-        if (isinstance(buffer, torch.Tensor) and buffer.shape == source.shape and buffer.dtype == source.dtype
-                and buffer.device.type == "cpu"):
+        if (
+            isinstance(buffer, torch.Tensor)
+            and buffer.shape == source.shape
+            and buffer.dtype == source.dtype
+            and buffer.device.type == "cpu"
+        ):
             staged = buffer
         else:
-            staged = torch.empty(source.shape, dtype=source.dtype, device="cpu",
-                                 pin_memory=source.is_cuda and torch.cuda.is_available())
+            staged = torch.empty(
+                source.shape, dtype=source.dtype, device="cpu", pin_memory=source.is_cuda and torch.cuda.is_available()
+            )
         if deferrable is not None and copies is not None and deferrable(value):
             copies.append((staged, source))
             return staged

@@ -241,8 +241,10 @@ class ObjectStoreReader(FsspecReader):
         received = {f.name for f in shared if f.owner != rank}
         fetch = [f.name for f in shared if f.owner == rank] + sorted(needed - {f.name for f in shared})
         full = lambda name: os.fspath(self.fs.concat_path(self.path, name))  # noqa: E731
-        with ThreadPoolExecutor(max_workers=max(1, min(16, len(fetch))), thread_name_prefix="elastic-load") as pool, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-decode") as decoder:
+        with (
+            ThreadPoolExecutor(max_workers=max(1, min(16, len(fetch))), thread_name_prefix="elastic-load") as pool,
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-decode") as decoder,
+        ):
             downloads = {name: pool.submit(self.fs.fetch, full(name)) for name in fetch}
             arrivals = {name: downloads.get(name) or Future() for name in needed}
             for name, arriving in arrivals.items():
@@ -262,8 +264,9 @@ class ObjectStoreReader(FsspecReader):
             finally:
                 self.fs.prefetched.clear()
 
-    def _exchange(self, shared: list[SharedFile], rank: int, downloads: dict[str, Future],
-                  arrivals: dict[str, Future]) -> None:
+    def _exchange(
+        self, shared: list[SharedFile], rank: int, downloads: dict[str, Future], arrivals: dict[str, Future]
+    ) -> None:
         """Every rank walks the same list: the owner broadcasts a flag (did its read succeed?) and then the
         file's bytes; a failed read fails the load on every rank instead of leaving them waiting."""
         for shared_file in shared:
@@ -273,8 +276,9 @@ class ObjectStoreReader(FsspecReader):
                 try:
                     data, failure = downloads[shared_file.name].result(), None
                     if len(data) != shared_file.size:
-                        failure = RuntimeError(f"{shared_file.name}: {len(data)} bytes, the metadata says "
-                                               f"{shared_file.size}")
+                        failure = RuntimeError(
+                            f"{shared_file.name}: {len(data)} bytes, the metadata says {shared_file.size}"
+                        )
                 except Exception as err:  # any read error: the other ranks must hear of it
                     data, failure = b"", err
                 flag[0] = 0 if failure else 1

@@ -54,9 +54,16 @@ class CheckpointInfo:
     reason: str | None = None  # why it was written: periodic, just-in-time (a reclaim notice) or final
 
     def to_json(self) -> dict:
-        return {"step": self.step, "uri": self.uri, "committed": self.committed, "time": self.time,
-                "world_size": self.world_size, "size_bytes": self.size_bytes, "shards": self.shards,
-                "reason": self.reason}
+        return {
+            "step": self.step,
+            "uri": self.uri,
+            "committed": self.committed,
+            "time": self.time,
+            "world_size": self.world_size,
+            "size_bytes": self.size_bytes,
+            "shards": self.shards,
+            "reason": self.reason,
+        }
 
 
 class CheckpointStore:
@@ -104,7 +111,7 @@ class CheckpointStore:
         folders: dict[int, set[str]] = {}
         root = self.root.rstrip("/") + "/"
         for path in paths:
-            folder, _, name = path[len(root):].partition("/") if path.startswith(root) else ("", "", "")
+            folder, _, name = path[len(root) :].partition("/") if path.startswith(root) else ("", "", "")
             match = _STEP_FOLDER.match(folder)
             if match and name:
                 folders.setdefault(int(match.group(1)), set()).add(name)
@@ -119,13 +126,28 @@ class CheckpointStore:
         manifest = self._read_marker(step)
         if manifest is None:
             files = self._sizes(path)
-            return CheckpointInfo(step, path, self.uri(step), committed=False, size_bytes=sum(files.values()),
-                                  shards=sum(1 for f in files if f.endswith(".distcp")), files=files)
+            return CheckpointInfo(
+                step,
+                path,
+                self.uri(step),
+                committed=False,
+                size_bytes=sum(files.values()),
+                shards=sum(1 for f in files if f.endswith(".distcp")),
+                files=files,
+            )
         files = {k: int(v) for k, v in manifest["files"].items()}
-        return CheckpointInfo(step, path, self.uri(step), committed=True, time=manifest.get("time"),
-                              world_size=manifest.get("world_size"), size_bytes=sum(files.values()),
-                              shards=sum(1 for f in files if f.endswith(".distcp")), files=files,
-                              reason=manifest.get("reason"))
+        return CheckpointInfo(
+            step,
+            path,
+            self.uri(step),
+            committed=True,
+            time=manifest.get("time"),
+            world_size=manifest.get("world_size"),
+            size_bytes=sum(files.values()),
+            shards=sum(1 for f in files if f.endswith(".distcp")),
+            files=files,
+            reason=manifest.get("reason"),
+        )
 
     def latest_committed(self) -> CheckpointInfo | None:
         committed = [step for step, names in self.live_folders().items() if MARKER in names]
@@ -135,8 +157,9 @@ class CheckpointStore:
         return self._read_marker(step)
 
     # -- writing
-    def commit(self, step: int, world_size: int, extra: dict | None = None,
-               files: dict[str, int] | None = None) -> CheckpointInfo:
+    def commit(
+        self, step: int, world_size: int, extra: dict | None = None, files: dict[str, int] | None = None
+    ) -> CheckpointInfo:
         """Write the marker, listing every file with its size. Call once all shards and .metadata exist.
         `files` (name -> size, from the writer that just wrote them) saves listing the folder."""
         path = self.path(step)
@@ -145,10 +168,18 @@ class CheckpointStore:
             raise RuntimeError(f"{self.uri(step)} has no {DCP_METADATA}; the save did not finish")
         manifest = {"step": step, "time": time.time(), "world_size": world_size, "files": files, **(extra or {})}
         self.fs.pipe_file(f"{path}/{MARKER}", json.dumps(manifest, indent=1).encode())
-        return CheckpointInfo(step, path, self.uri(step), committed=True, time=manifest["time"],
-                              world_size=world_size, size_bytes=sum(files.values()),
-                              shards=sum(1 for f in files if f.endswith(".distcp")), files=files,
-                              reason=manifest.get("reason"))
+        return CheckpointInfo(
+            step,
+            path,
+            self.uri(step),
+            committed=True,
+            time=manifest["time"],
+            world_size=world_size,
+            size_bytes=sum(files.values()),
+            shards=sum(1 for f in files if f.endswith(".distcp")),
+            files=files,
+            reason=manifest.get("reason"),
+        )
 
     def retain(self, keep: int, keep_every: int | None = None) -> list[int]:
         """Delete all but the newest `keep` committed checkpoints (and every `keep_every`-th step), and any
@@ -239,8 +270,11 @@ class CheckpointStore:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         metadata = FsspecReader(self.uri(step), **self.writer_options()).read_metadata()
-        state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-                 for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+        state = {
+            key: torch.empty(meta.size, dtype=meta.properties.dtype)
+            for key, meta in metadata.state_dict_metadata.items()
+            if isinstance(meta, TensorStorageMetadata)
+        }
         dcp.load(state, storage_reader=FsspecReader(self.uri(step), **self.writer_options()), no_dist=True)
         return state
 
@@ -273,8 +307,11 @@ class CheckpointStore:
             entries = self.fs.ls(path, detail=True, refresh=True)
         except FileNotFoundError:
             return {}
-        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
-                for e in entries if e.get("type") == "file" and not e["name"].endswith((MARKER, TOMBSTONE))}
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") == "file" and not e["name"].endswith((MARKER, TOMBSTONE))
+        }
 
 
 def prunable(folders: dict[int, bool], keep: int, keep_every: int | None = None) -> list[int]:

@@ -50,8 +50,13 @@ def _show_bench(title: str, result: dict, ratios: dict[str, float]) -> None:
 @click.option("--uri", help="Where to write (default: the local stack's s3://BUCKET/bench).")
 @click.option("--size-mb", default=256.0, show_default=True, type=click.FloatRange(min=1), help="State size.")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1), help="Ranks (local processes).")
-@click.option("--repeats", default=7, show_default=True, type=click.IntRange(1),
-              help="Timed repeats; ratios are the median of each repeat's paired ratio.")
+@click.option(
+    "--repeats",
+    default=7,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Timed repeats; ratios are the median of each repeat's paired ratio.",
+)
 @click.option("--json", "as_json", is_flag=True)
 def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, repeats: int, as_json: bool) -> None:
     """Sharded async save and load against raw parallel multipart put/get of the same bytes.
@@ -62,8 +67,9 @@ def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, repeats:
     """
     from elastic.bench import harness as bench
 
-    result = bench.to_json(bench.bench_checkpoint(_bench_target(uri, "bench"), size_mb=size_mb, workers=workers,
-                                                        repeats=repeats))
+    result = bench.to_json(
+        bench.bench_checkpoint(_bench_target(uri, "bench"), size_mb=size_mb, workers=workers, repeats=repeats)
+    )
     if as_json:
         print_json(result)
     else:
@@ -73,15 +79,26 @@ def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, repeats:
 @bench_group.command("overhead")
 @click.option("--uri", help="Checkpoint root for the harness (default: the local stack's s3://BUCKET/bench).")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1))
-@click.option("--rounds", default=12, show_default=True, type=click.IntRange(1),
-              help="Timed blocks per variant (one of each per round, in rotating order).")
-@click.option("--steps", default=40, show_default=True, type=click.IntRange(20),
-              help="Steps per block (a multiple of the checkpoint interval, 20).")
+@click.option(
+    "--rounds",
+    default=12,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Timed blocks per variant (one of each per round, in rotating order).",
+)
+@click.option(
+    "--steps",
+    default=40,
+    show_default=True,
+    type=click.IntRange(20),
+    help="Steps per block (a multiple of the checkpoint interval, 20).",
+)
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(8), help="MLP width (model size).")
 @click.option("--batch", default=256, show_default=True, type=click.IntRange(1), help="Batch per worker.")
 @click.option("--json", "as_json", is_flag=True)
-def bench_overhead_cmd(uri: str | None, workers: int, rounds: int, steps: int, width: int, batch: int,
-                       as_json: bool) -> None:
+def bench_overhead_cmd(
+    uri: str | None, workers: int, rounds: int, steps: int, width: int, batch: int, as_json: bool
+) -> None:
     """Harness step time against a bare Ray Train DDP loop: checkpoints off, and async every 20 steps.
 
     \b
@@ -91,37 +108,71 @@ def bench_overhead_cmd(uri: str | None, workers: int, rounds: int, steps: int, w
     from elastic.bench import harness as bench
 
     target = _bench_target(uri, "bench")
-    result = bench.to_json(bench.bench_overhead(target, workers=workers, rounds=rounds, steps=steps,
-                                                      width=width, batch=batch))
+    result = bench.to_json(
+        bench.bench_overhead(target, workers=workers, rounds=rounds, steps=steps, width=width, batch=batch)
+    )
     if as_json:
         print_json(result)
     else:
         _show_bench("overhead", result, {"overhead_ratio": 1.02, "ckpt_overhead_ratio": 1.05})
 
 
-
-
 @bench_group.command("packing")
-@click.option("--share", default=0.25, show_default=True, type=click.FloatRange(0, 1, min_open=True),
-              help="GPU share of each trial.")
+@click.option(
+    "--share",
+    default=0.25,
+    show_default=True,
+    type=click.FloatRange(0, 1, min_open=True),
+    help="GPU share of each trial.",
+)
 @click.option("--trials", type=click.IntRange(1), help="Trials (default: 1/share per GPU of the cluster).")
-@click.option("--hold", "hold_s", default=180.0, show_default=True, type=click.FloatRange(1),
-              help="Longest a trial waits at the barrier for the others.")
-@click.option("--cpus", default=0.05, show_default=True, type=click.FloatRange(0, min_open=True),
-              help="CPUs per trial worker (logical accounting).")
-@click.option("--market", default="any", show_default=True, type=click.Choice(["any", "spot", "on-demand"]),
-              help="Worker nodes whose GPUs the trials share.")
+@click.option(
+    "--hold",
+    "hold_s",
+    default=180.0,
+    show_default=True,
+    type=click.FloatRange(1),
+    help="Longest a trial waits at the barrier for the others.",
+)
+@click.option(
+    "--cpus",
+    default=0.05,
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    help="CPUs per trial worker (logical accounting).",
+)
+@click.option(
+    "--market",
+    default="any",
+    show_default=True,
+    type=click.Choice(["any", "spot", "on-demand"]),
+    help="Worker nodes whose GPUs the trials share.",
+)
 @click.option("--compare", is_flag=True, help="Real GPUs: auto against whole-GPU trials (trials/hour, GPU util).")
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(1), help="--compare: steps per trial.")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(8), help="--compare: MLP width.")
 @click.option("--batch", default=256, show_default=True, type=click.IntRange(1), help="--compare: batch size.")
-@click.option("--gpu-memory-gb", type=click.FloatRange(0, min_open=True),
-              help="--compare without CUDA (dry run): declared peak per trial on a 16 GB logical GPU.")
+@click.option(
+    "--gpu-memory-gb",
+    type=click.FloatRange(0, min_open=True),
+    help="--compare without CUDA (dry run): declared peak per trial on a 16 GB logical GPU.",
+)
 @click.option("--uri", help="Storage root (default: the local stack's s3://BUCKET/bench).")
 @click.option("--json", "as_json", is_flag=True)
-def bench_packing_cmd(share: float, trials: int | None, hold_s: float, cpus: float, market: str, compare: bool,
-                      steps: int,
-                      width: int, batch: int, gpu_memory_gb: float | None, uri: str | None, as_json: bool) -> None:
+def bench_packing_cmd(
+    share: float,
+    trials: int | None,
+    hold_s: float,
+    cpus: float,
+    market: str,
+    compare: bool,
+    steps: int,
+    width: int,
+    batch: int,
+    gpu_memory_gb: float | None,
+    uri: str | None,
+    as_json: bool,
+) -> None:
     """GPU sharing: concurrency reached against requested, and Tune's scheduling overhead (logical GPUs work);
     with --compare, trials per hour and GPU utilization of `auto` against whole-GPU trials (real GPUs).
 
@@ -135,7 +186,7 @@ def bench_packing_cmd(share: float, trials: int | None, hold_s: float, cpus: flo
 
     target = _bench_target(uri, "bench")
     sweeps.connect()
-    say = (lambda m: click.echo(f"[bench] {m}", err=True))
+    say = lambda m: click.echo(f"[bench] {m}", err=True)
     with contextlib.redirect_stdout(sys.stderr):  # Tune prints its own banners
         if compare:
             result = bench_packing.bench_compare(target, trials or 8, steps, width, batch, gpu_memory_gb, say)
@@ -148,14 +199,17 @@ def bench_packing_cmd(share: float, trials: int | None, hold_s: float, cpus: flo
         _show_bench("packing", {k: json.dumps(v) if isinstance(v, dict) else v for k, v in result.items()}, {})
 
 
-
-
 @bench_group.command("recovery")
 @click.option("--notice", default=20.0, show_default=True, type=click.FloatRange(1), help="Seconds of notice.")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1))
 @click.option("--minutes", type=click.FloatRange(0), help="Also measure goodput over a run this long ...")
-@click.option("--every", default=120.0, show_default=True, type=click.FloatRange(10),
-              help="... with a noticed reclaim every this many seconds.")
+@click.option(
+    "--every",
+    default=120.0,
+    show_default=True,
+    type=click.FloatRange(10),
+    help="... with a noticed reclaim every this many seconds.",
+)
 @click.option("--json", "as_json", is_flag=True)
 def bench_recovery_cmd(notice: float, workers: int, minutes: float | None, every: float, as_json: bool) -> None:
     """What a spot reclaim costs on the local cluster, ours against Ray Train's own restart of a bare loop:
@@ -172,8 +226,9 @@ def bench_recovery_cmd(notice: float, workers: int, minutes: float | None, every
     from elastic.bench import recovery as bench_recovery
 
     log = (lambda line: click.echo(line, err=True)) if as_json else click.echo
-    result = dataclasses.asdict(bench_recovery.bench_recovery(notice=notice, workers=workers, minutes=minutes,
-                                                              every=every, log=log))
+    result = dataclasses.asdict(
+        bench_recovery.bench_recovery(notice=notice, workers=workers, minutes=minutes, every=every, log=log)
+    )
     if as_json:
         print_json(result)
     else:

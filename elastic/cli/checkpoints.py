@@ -29,8 +29,9 @@ def _store(run: str, root: str | None):
         return CheckpointStore(run)
     root = root or os.environ.get("ELASTIC_RUNS_URI") or (f"s3://{state.bucket}/runs" if state else None)
     if not root:
-        raise UserError(f"'{run}' is a run name but no runs root is known; pass --root s3://BUCKET/PREFIX "
-                        "or a full run URI")
+        raise UserError(
+            f"'{run}' is a run name but no runs root is known; pass --root s3://BUCKET/PREFIX or a full run URI"
+        )
     return CheckpointStore(f"{root.rstrip('/')}/{run}")
 
 
@@ -56,13 +57,30 @@ def checkpoints_ls(run: str, root: str | None, as_json: bool) -> None:
         click.echo(f"no checkpoints under {store.run_uri}")
         return
     # Fits 80 columns (a pipe, a CI log): the year is left out of the time, `--json` has the timestamp.
-    table = Table("step", Column("time (UTC)", no_wrap=True), "size", "shards", "workers", "commit",
-                  Column("reason", no_wrap=True))
+    table = Table(
+        "step",
+        Column("time (UTC)", no_wrap=True),
+        "size",
+        "shards",
+        "workers",
+        "commit",
+        Column("reason", no_wrap=True),
+    )
     for info in infos:
-        when = datetime.datetime.fromtimestamp(info.time, datetime.timezone.utc).strftime("%m-%d %H:%M:%S") \
-            if info.time else "-"
-        table.add_row(str(info.step), when, f"{info.size_bytes / 1e6:.2f} MB", str(info.shards),
-                      str(info.world_size or "-"), "yes" if info.committed else "[red]no[/]", info.reason or "-")
+        when = (
+            datetime.datetime.fromtimestamp(info.time, datetime.timezone.utc).strftime("%m-%d %H:%M:%S")
+            if info.time
+            else "-"
+        )
+        table.add_row(
+            str(info.step),
+            when,
+            f"{info.size_bytes / 1e6:.2f} MB",
+            str(info.shards),
+            str(info.world_size or "-"),
+            "yes" if info.committed else "[red]no[/]",
+            info.reason or "-",
+        )
     console.print(table)
 
 

@@ -32,8 +32,9 @@ def cluster_validate(config_file: Path, as_json: bool) -> None:
 
     kind, problems = validate_file(config_file)
     if as_json:
-        print_json({"file": str(config_file), "ok": not problems, "kind": kind,
-                     "problems": [p.to_json() for p in problems]})
+        print_json(
+            {"file": str(config_file), "ok": not problems, "kind": kind, "problems": [p.to_json() for p in problems]}
+        )
     elif not problems:
         click.echo(f"{config_file}: ok ({kind})")
     for problem in problems if not as_json else []:

@@ -52,16 +52,22 @@ def run_demo(console: Console, spot: int, on_demand: int, stop_after: bool) -> N
     accuracy = float(summary.get("metrics", {}).get("accuracy", 0.0))
     store = CheckpointStore(run_directory(spec, submitted.run_name))
     checkpoints = [CheckpointStore.folder_name(i.step) for i in store.list() if i.committed]
-    console.print(f"  held-out accuracy {accuracy:.4f} (target {TARGET_ACCURACY}) in {summary.get('seconds')} s of training")
+    console.print(
+        f"  held-out accuracy {accuracy:.4f} (target {TARGET_ACCURACY}) in {summary.get('seconds')} s of training"
+    )
     console.print(f"  checkpoints in {run_directory(spec, submitted.run_name)}: {', '.join(checkpoints)}")
-    console.print("  submit the same job again and it resumes from its last checkpoint: "
-                  "elastic submit jobs/digits_ddp.yaml --follow")
+    console.print(
+        "  submit the same job again and it resumes from its last checkpoint: "
+        "elastic submit jobs/digits_ddp.yaml --follow"
+    )
     if stop_after:
         local.down()
         console.print("  local stack stopped")
     else:
-        console.print("  the stack is still up: eval \"$(elastic local env)\" to use it with ray/boto3; "
-                      "stop it with [bold]elastic local down[/] (or make down)")
+        console.print(
+            '  the stack is still up: eval "$(elastic local env)" to use it with ray/boto3; '
+            "stop it with [bold]elastic local down[/] (or make down)"
+        )
     if accuracy < TARGET_ACCURACY:
         console.print(f"[red]accuracy {accuracy:.4f} is below the target {TARGET_ACCURACY}[/]")
         sys.exit(1)

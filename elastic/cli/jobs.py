@@ -16,14 +16,29 @@ from elastic.errors import JobFailed
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--address", help="Ray job API, e.g. http://127.0.0.1:8265 (default: the local stack).")
 @click.option("--suffix", help="Run name suffix: a separate run of the same job.")
-@click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE",
-              help="Override a spec field, e.g. --set config.epochs=2 --set workers.min=1.")
-@click.option("--working-dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
-              help="Folder uploaded with the job (default: the current directory).")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="FIELD=VALUE",
+    help="Override a spec field, e.g. --set config.epochs=2 --set workers.min=1.",
+)
+@click.option(
+    "--working-dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    help="Folder uploaded with the job (default: the current directory).",
+)
 @click.option("--follow", is_flag=True, help="Stream logs and exit with the job's status.")
 @click.option("--json", "as_json", is_flag=True)
-def submit_cmd(job_file: Path, address: str | None, suffix: str | None, overrides: tuple[str, ...],
-               working_dir: Path | None, follow: bool, as_json: bool) -> None:
+def submit_cmd(
+    job_file: Path,
+    address: str | None,
+    suffix: str | None,
+    overrides: tuple[str, ...],
+    working_dir: Path | None,
+    follow: bool,
+    as_json: bool,
+) -> None:
     """Submit a job through Ray's job API. Submitting the same job again resumes its run.
 
     \b

@@ -15,12 +15,22 @@ def local_group() -> None:
 
 
 @local_group.command("up")
-@click.option("--spot", default=3, show_default=True, type=click.IntRange(0),
-              help="Spot worker nodes (3: a 2-worker job plus one spare, so a reclaimed node's work goes on at once).")
+@click.option(
+    "--spot",
+    default=3,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Spot worker nodes (3: a 2-worker job plus one spare, so a reclaimed node's work goes on at once).",
+)
 @click.option("--on-demand", default=1, show_default=True, type=click.IntRange(0), help="On-demand worker nodes.")
 @click.option("--cpus-per-node", default=1, show_default=True, type=click.IntRange(1), help="CPUs per worker node.")
-@click.option("--gpus-per-node", default=0, show_default=True, type=click.IntRange(0),
-              help="Logical GPUs per worker node (GPU-requesting paths run on a CPU-only machine).")
+@click.option(
+    "--gpus-per-node",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Logical GPUs per worker node (GPU-requesting paths run on a CPU-only machine).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print addresses and nodes as JSON.")
 def local_up(spot: int, on_demand: int, cpus_per_node: int, gpus_per_node: int, as_json: bool) -> None:
     """Start the local stack (or show it if it is already up).
@@ -36,7 +46,9 @@ def local_up(spot: int, on_demand: int, cpus_per_node: int, gpus_per_node: int, 
         print_json(state.summary())
     else:
         _show_stack(state.summary())
-        console.print("Use it from this shell: [bold]eval \"$(elastic local env)\"[/]; stop it: [bold]elastic local down[/]")
+        console.print(
+            'Use it from this shell: [bold]eval "$(elastic local env)"[/]; stop it: [bold]elastic local down[/]'
+        )
 
 
 @local_group.command("down")
@@ -87,13 +99,13 @@ def _show_stack(info: dict) -> None:
     console.print(f"S3:         {info['s3_endpoint']}   bucket: {info['bucket']}")
     table = Table("node", "market", "role", "cpus", "gpus", "node id")
     for node in info["nodes"]:
-        table.add_row(node["name"], node["market"], node["role"], str(node["cpus"]), str(node["gpus"]),
-                      node["node_id"][:12])
+        table.add_row(
+            node["name"], node["market"], node["role"], str(node["cpus"]), str(node["gpus"]), node["node_id"][:12]
+        )
     console.print(table)
 
 
 # ---------------------------------------------------------------------------------------------------------
-
 
 
 @local_group.command("add-node")
@@ -116,5 +128,6 @@ def local_add_node(market: str, cpus: int | None, gpus: int | None, as_json: boo
     if as_json:
         print_json(node)
     else:
-        click.echo(f"added {node['name']} ({node['market']}, {node['cpus']} CPUs, {node['gpus']} GPUs): "
-                   f"node {node['node_id']}")
+        click.echo(
+            f"added {node['name']} ({node['market']}, {node['cpus']} CPUs, {node['gpus']} GPUs): node {node['node_id']}"
+        )

@@ -39,10 +39,23 @@ def cli(verbose: bool, quiet: bool) -> None:
     logs.configure(level)
 
 
-for command in (local.local_group, spec.spec_group, jobs.submit_cmd, jobs.run_cmd, jobs.status_cmd, jobs.logs_cmd,
-                jobs.stop_cmd, checkpoints.checkpoints_group, verify.verify_resume_cmd, bench.bench_group,
-                sweep.sweep_cmd, demo.demo_cmd, cluster.cluster_group, preempt.preempt_cmd,
-                watch.watch_preemption_cmd):
+for command in (
+    local.local_group,
+    spec.spec_group,
+    jobs.submit_cmd,
+    jobs.run_cmd,
+    jobs.status_cmd,
+    jobs.logs_cmd,
+    jobs.stop_cmd,
+    checkpoints.checkpoints_group,
+    verify.verify_resume_cmd,
+    bench.bench_group,
+    sweep.sweep_cmd,
+    demo.demo_cmd,
+    cluster.cluster_group,
+    preempt.preempt_cmd,
+    watch.watch_preemption_cmd,
+):
     cli.add_command(command)
 
 
@@ -71,4 +84,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-

@@ -16,10 +16,18 @@ from elastic.cli.common import console, print_json
 
 @click.command("sweep")
 @click.argument("sweep_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE",
-              help="Override a sweep field, e.g. --set num_samples=4 --set gpu_share=0.5.")
-@click.option("--resume", is_flag=True, help="Require an existing sweep to restore (running it again restores "
-                                             "one anyway when there is one).")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="FIELD=VALUE",
+    help="Override a sweep field, e.g. --set num_samples=4 --set gpu_share=0.5.",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Require an existing sweep to restore (running it again restores one anyway when there is one).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print trials, best_config, plan as JSON (progress on stderr).")
 def sweep_cmd(sweep_file: Path, overrides: tuple[str, ...], resume: bool, as_json: bool) -> None:
     """Run a hyperparameter sweep whose trials share GPUs (Ray Tune over Ray Train V2).
@@ -54,13 +62,22 @@ def _show_sweep(result: dict) -> None:
     table = Table("trial", *keys, result["metric"], "state", "iters", "share", "restarts")
     for t in result["trials"]:
         metric = t["metric"]
-        table.add_row(t["trial_id"], *[_fmt(t["params"].get(k)) for k in keys],
-                      _fmt(metric), t["state"], str(t["iterations"]), str(t["gpu_share"]), str(t["restarts"]))
+        table.add_row(
+            t["trial_id"],
+            *[_fmt(t["params"].get(k)) for k in keys],
+            _fmt(metric),
+            t["state"],
+            str(t["iterations"]),
+            str(t["gpu_share"]),
+            str(t["restarts"]),
+        )
     Console(highlight=False, width=max(console.width, 140)).print(table)  # not folded in a pipe's 80 columns
     plan = result["plan"]
     console.print(f"packing: {plan['trials_per_gpu']} per GPU, share {plan['share']} ({plan['reason']})")
-    console.print(f"best config ({result['mode']} {result['metric']} = {_fmt(result['best_metric'])}): "
-                  f"{json.dumps(result['best_config'])}")
+    console.print(
+        f"best config ({result['mode']} {result['metric']} = {_fmt(result['best_metric'])}): "
+        f"{json.dumps(result['best_config'])}"
+    )
 
 
 def _fmt(value) -> str:

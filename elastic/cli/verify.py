@@ -15,17 +15,37 @@ from elastic.errors import UserError
 
 @click.command("verify-resume")
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--kills", default=3, show_default=True, type=click.IntRange(0),
-              help="Worker kills to inject; every other one lands inside a checkpoint save.")
-@click.option("--notices", default=0, show_default=True, type=click.IntRange(0),
-              help="Spot reclaim notices to inject: each ends a placement at a just-in-time checkpoint.")
-@click.option("--workers", "workers_text", help="Worker count, or counts the interrupted run moves through, "
-              "e.g. 2 or 2,1,2 (default: the job's workers.min).")
+@click.option(
+    "--kills",
+    default=3,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Worker kills to inject; every other one lands inside a checkpoint save.",
+)
+@click.option(
+    "--notices",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Spot reclaim notices to inject: each ends a placement at a just-in-time checkpoint.",
+)
+@click.option(
+    "--workers",
+    "workers_text",
+    help="Worker count, or counts the interrupted run moves through, e.g. 2 or 2,1,2 (default: the job's workers.min).",
+)
 @click.option("--address", help="Ray job API (default: the local stack).")
 @click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE", help="Override a spec field.")
 @click.option("--json", "as_json", is_flag=True)
-def verify_resume_cmd(job_file: Path, kills: int, notices: int, workers_text: str | None, address: str | None,
-                      overrides: tuple[str, ...], as_json: bool) -> None:
+def verify_resume_cmd(
+    job_file: Path,
+    kills: int,
+    notices: int,
+    workers_text: str | None,
+    address: str | None,
+    overrides: tuple[str, ...],
+    as_json: bool,
+) -> None:
     """Run a job uninterrupted and again with worker kills, and prove the resumed run is equivalent.
 
     At one worker count the final model and optimizer must be bit-identical; at any counts every sample of
@@ -48,8 +68,9 @@ def verify_resume_cmd(job_file: Path, kills: int, notices: int, workers_text: st
     stamp = time.strftime("%m%d%H%M%S")
     log_path = verify.default_log_path(stamp)
     with open(log_path, "w") as log:
-        verifier = verify.Verifier(spec, target, Path.cwd(), log, progress=lambda m: click.echo(m, err=True),
-                                   stamp=stamp)
+        verifier = verify.Verifier(
+            spec, target, Path.cwd(), log, progress=lambda m: click.echo(m, err=True), stamp=stamp
+        )
         click.echo(f"verify-resume: job logs in {log_path}", err=True)
         report = verifier.run(kills, workers, notices)
     if as_json:
@@ -82,16 +103,21 @@ def _show_verify(report) -> None:
     table.add_row("workers", str(report.baseline.workers), str(report.interrupted.workers))
     table.add_row("final step", str(report.baseline.final_step), str(report.interrupted.final_step))
     table.add_row("restarts", str(report.baseline.restarts), str(report.interrupted.restarts))
-    table.add_row("every sample once", str(report.baseline.samples_exactly_once),
-                  str(report.interrupted.samples_exactly_once))
+    table.add_row(
+        "every sample once", str(report.baseline.samples_exactly_once), str(report.interrupted.samples_exactly_once)
+    )
     table.add_row("seconds", str(report.baseline.seconds), str(report.interrupted.seconds))
     console.print(table)
     if report.notices:
-        console.print(f"reclaim notices: {report.notices_fired}/{report.notices} fired, "
-                      f"{report.interrupted.just_in_time_ends} just-in-time end(s)")
-    console.print(f"kills: {report.kills_fired}/{report.kills} fired ({', '.join(report.interrupted.kill_plan)}); "
-                  f"identical: {report.identical}; max |diff|: {report.max_abs_diff:.3g} over "
-                  f"{report.tensors_compared} tensors; loss gap {report.max_epoch_loss_diff:.3g} "
-                  f"({report.loss_tolerance})")
+        console.print(
+            f"reclaim notices: {report.notices_fired}/{report.notices} fired, "
+            f"{report.interrupted.just_in_time_ends} just-in-time end(s)"
+        )
+    console.print(
+        f"kills: {report.kills_fired}/{report.kills} fired ({', '.join(report.interrupted.kill_plan)}); "
+        f"identical: {report.identical}; max |diff|: {report.max_abs_diff:.3g} over "
+        f"{report.tensors_compared} tensors; loss gap {report.max_epoch_loss_diff:.3g} "
+        f"({report.loss_tolerance})"
+    )
     for problem in report.problems:
         console.print(f"[red]problem:[/] {problem}")

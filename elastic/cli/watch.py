@@ -10,17 +10,34 @@ from elastic.errors import UserError
 
 
 @click.command("watch-preemption")
-@click.option("--provider", default="auto", show_default=True, type=click.Choice(["aws", "gcp", "azure", "auto"]),
-              help="Whose metadata service to read; auto probes each briefly and exits 0 off-cloud.")
+@click.option(
+    "--provider",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["aws", "gcp", "azure", "auto"]),
+    help="Whose metadata service to read; auto probes each briefly and exits 0 off-cloud.",
+)
 @click.option("--metadata-url", help="Metadata service base URL (default: http://169.254.169.254).")
 @click.option("--node-id", help="Ray node to drain, hex (default: the Ray node on this host).")
 @click.option("--address", help="Ray GCS address HOST:PORT (default: RAY_ADDRESS, else the cluster this host joined).")
 @click.option("--poll-seconds", default=5.0, show_default=True, type=float, help="Seconds between polls.")
-@click.option("--margin-seconds", default=2.0, show_default=True, type=float,
-              help="Drain deadline = the cloud's deadline minus this.")
+@click.option(
+    "--margin-seconds",
+    default=2.0,
+    show_default=True,
+    type=float,
+    help="Drain deadline = the cloud's deadline minus this.",
+)
 @click.option("--once", is_flag=True, help="Poll once, act on what it shows, and exit (1 if the service is down).")
-def watch_preemption_cmd(provider: str, metadata_url: str | None, node_id: str | None, address: str | None,
-                         poll_seconds: float, margin_seconds: float, once: bool) -> None:
+def watch_preemption_cmd(
+    provider: str,
+    metadata_url: str | None,
+    node_id: str | None,
+    address: str | None,
+    poll_seconds: float,
+    margin_seconds: float,
+    once: bool,
+) -> None:
     """Turn this node's spot reclaim notice into a Ray drain (reason PREEMPTION), once per reclaim.
 
     Reads AWS IMDSv2 (spot/instance-action; rebalance recommendations are only logged), GCP

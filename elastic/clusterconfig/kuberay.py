@@ -31,25 +31,40 @@ def check_kuberay(manifest: dict) -> list[Problem]:
     validator = jsonschema.Draft7Validator(RAYCLUSTER_SCHEMA)
     errors = sorted(validator.iter_errors(manifest), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
-        return [Problem(key_path(e.absolute_path) or "(top level)", f"{one_line(e.message)} (RayCluster schema)")
-                for e in errors]
+        return [
+            Problem(key_path(e.absolute_path) or "(top level)", f"{one_line(e.message)} (RayCluster schema)")
+            for e in errors
+        ]
     spec = manifest["spec"]
     problems: list[Problem] = []
     if spec.get("enableInTreeAutoscaling") is not True:
-        problems.append(Problem("spec.enableInTreeAutoscaling", "autoscaling is off: reclaimed spot pods are not "
-                                                                "replaced; set enableInTreeAutoscaling: true"))
+        problems.append(
+            Problem(
+                "spec.enableInTreeAutoscaling",
+                "autoscaling is off: reclaimed spot pods are not replaced; set enableInTreeAutoscaling: true",
+            )
+        )
     head = spec["headGroupSpec"]
     problems += _check_k8s_group("spec.headGroupSpec", head, is_head=True)
     if head.get("serviceType") in ("NodePort", "LoadBalancer") or head.get("enableIngress") is True:
         what = "enableIngress: true" if head.get("enableIngress") is True else f"serviceType: {head['serviceType']}"
-        problems.append(Problem("spec.headGroupSpec", f"{what} exposes the dashboard and job API outside the "
-                                                      "cluster; use serviceType: ClusterIP and `kubectl "
-                                                      "port-forward svc/CLUSTER-head-svc 8265`"))
+        problems.append(
+            Problem(
+                "spec.headGroupSpec",
+                f"{what} exposes the dashboard and job API outside the "
+                "cluster; use serviceType: ClusterIP and `kubectl "
+                "port-forward svc/CLUSTER-head-svc 8265`",
+            )
+        )
     params = head.get("rayStartParams") or {}
     resources = head.get("resources") or {}
     if str(resources.get("CPU", params.get("num-cpus"))) != "0":
-        problems.append(Problem("spec.headGroupSpec.rayStartParams", "the head offers CPUs to training; set "
-                                                                     "rayStartParams num-cpus: \"0\""))
+        problems.append(
+            Problem(
+                "spec.headGroupSpec.rayStartParams",
+                'the head offers CPUs to training; set rayStartParams num-cpus: "0"',
+            )
+        )
     spot, on_demand = [], []
     for i, group in enumerate(spec.get("workerGroupSpecs") or []):
         key = f"spec.workerGroupSpecs[{i}]"
@@ -60,22 +75,36 @@ def check_kuberay(manifest: dict) -> list[Problem]:
         pod = group["template"]["spec"]
         grace = pod.get("terminationGracePeriodSeconds", 30)
         if grace <= DRAIN_DEADLINE_S:
-            problems.append(Problem(f"{key}.template.spec.terminationGracePeriodSeconds",
-                                    f"{grace} s does not outlive the {DRAIN_DEADLINE_S} s drain deadline: the pod "
-                                    "would be killed before the just-in-time checkpoint is written; use at least "
-                                    f"{DRAIN_DEADLINE_S + 30}"))
+            problems.append(
+                Problem(
+                    f"{key}.template.spec.terminationGracePeriodSeconds",
+                    f"{grace} s does not outlive the {DRAIN_DEADLINE_S} s drain deadline: the pod "
+                    "would be killed before the just-in-time checkpoint is written; use at least "
+                    f"{DRAIN_DEADLINE_S + 30}",
+                )
+            )
         if selected == "spot":
             problems += _check_k8s_spot_group(key, group)
     if not spot:
-        problems.append(Problem("spec.workerGroupSpecs", "no spot GPU worker group; add one with a spot "
-                                                         "nodeSelector (e.g. cloud.google.com/gke-spot: \"true\"), "
-                                                         "its toleration, nvidia.com/gpu limits and labels "
-                                                         f"{{{MARKET_LABEL}: spot, {ROLE_LABEL}: {WORKER_ROLE}}}"))
+        problems.append(
+            Problem(
+                "spec.workerGroupSpecs",
+                "no spot GPU worker group; add one with a spot "
+                'nodeSelector (e.g. cloud.google.com/gke-spot: "true"), '
+                "its toleration, nvidia.com/gpu limits and labels "
+                f"{{{MARKET_LABEL}: spot, {ROLE_LABEL}: {WORKER_ROLE}}}",
+            )
+        )
     if not on_demand:
-        problems.append(Problem("spec.workerGroupSpecs", "no on-demand GPU worker group (the fallback when spot "
-                                                         "capacity is short); add one with nvidia.com/gpu limits "
-                                                         f"and labels {{{MARKET_LABEL}: on-demand, "
-                                                         f"{ROLE_LABEL}: {WORKER_ROLE}}}"))
+        problems.append(
+            Problem(
+                "spec.workerGroupSpecs",
+                "no on-demand GPU worker group (the fallback when spot "
+                "capacity is short); add one with nvidia.com/gpu limits "
+                f"and labels {{{MARKET_LABEL}: on-demand, "
+                f"{ROLE_LABEL}: {WORKER_ROLE}}}",
+            )
+        )
     return problems
 
 
@@ -83,37 +112,66 @@ def _check_k8s_group(key: str, group: dict, is_head: bool) -> list[Problem]:
     problems = []
     params = group.get("rayStartParams") or {}
     if "labels" in params:
-        problems.append(Problem(f"{key}.rayStartParams.labels", "Ray's autoscaler ignores labels given in "
-                                                                "rayStartParams; move them to the group's labels "
-                                                                "field (KubeRay >= 1.5)"))
+        problems.append(
+            Problem(
+                f"{key}.rayStartParams.labels",
+                "Ray's autoscaler ignores labels given in "
+                "rayStartParams; move them to the group's labels "
+                "field (KubeRay >= 1.5)",
+            )
+        )
     problems += check_labels(f"{key}.labels", group.get("labels") or {}, head=is_head)
     labels = group.get("labels") or {}
     selected = _k8s_market(group)
-    tolerated = [t.get("key") or "(every taint)" for t in group["template"]["spec"].get("tolerations") or []
-                 if t.get("key") in K8S_SPOT_SELECTORS or (t.get("operator") == "Exists" and not t.get("key"))]
+    tolerated = [
+        t.get("key") or "(every taint)"
+        for t in group["template"]["spec"].get("tolerations") or []
+        if t.get("key") in K8S_SPOT_SELECTORS or (t.get("operator") == "Exists" and not t.get("key"))
+    ]
     if is_head and tolerated:
-        problems.append(Problem(f"{key}.template.spec.tolerations",
-                                f"the head tolerates the spot taint ({tolerated[0]}) and may be scheduled on a "
-                                "spot node; remove that toleration from the head"))
+        problems.append(
+            Problem(
+                f"{key}.template.spec.tolerations",
+                f"the head tolerates the spot taint ({tolerated[0]}) and may be scheduled on a "
+                "spot node; remove that toleration from the head",
+            )
+        )
     if is_head and selected == "spot":
-        problems.append(Problem(f"{key}.template.spec.nodeSelector",
-                                "the head is scheduled on spot nodes: a reclaim ends every driver, the autoscaler "
-                                "and the job API; select on-demand nodes for the head"))
+        problems.append(
+            Problem(
+                f"{key}.template.spec.nodeSelector",
+                "the head is scheduled on spot nodes: a reclaim ends every driver, the autoscaler "
+                "and the job API; select on-demand nodes for the head",
+            )
+        )
     elif labels.get(MARKET_LABEL) in MARKETS and labels[MARKET_LABEL] != selected:
-        problems.append(Problem(f"{key}.labels.{MARKET_LABEL}",
-                                f"labeled '{labels[MARKET_LABEL]}' but the nodeSelector puts it on {selected} "
-                                f"nodes; label it '{selected}' or change the nodeSelector"))
+        problems.append(
+            Problem(
+                f"{key}.labels.{MARKET_LABEL}",
+                f"labeled '{labels[MARKET_LABEL]}' but the nodeSelector puts it on {selected} "
+                f"nodes; label it '{selected}' or change the nodeSelector",
+            )
+        )
     ray_env = {env["name"] for env in group["template"]["spec"]["containers"][0].get("env") or []}
     if "RAY_AUTH_MODE" not in ray_env:
-        problems.append(Problem(f"{key}.template.spec.containers[0].env",
-                                "Ray token authentication is off in this group; set RAY_AUTH_MODE=token and "
-                                "RAY_AUTH_TOKEN from a Secret in the Ray container"))
+        problems.append(
+            Problem(
+                f"{key}.template.spec.containers[0].env",
+                "Ray token authentication is off in this group; set RAY_AUTH_MODE=token and "
+                "RAY_AUTH_TOKEN from a Secret in the Ray container",
+            )
+        )
     for c, container in enumerate(group["template"]["spec"]["containers"]):
         for e, env in enumerate(container.get("env") or []):
             ckey = f"{key}.template.spec.containers[{c}].env[{e}]"
             if env["name"] == "RAY_AUTH_MODE" and env.get("value") != "token":
-                problems.append(Problem(ckey, f"RAY_AUTH_MODE={env.get('value')} turns Ray token authentication "
-                                              "off; use token (with RAY_AUTH_TOKEN from a Secret)"))
+                problems.append(
+                    Problem(
+                        ckey,
+                        f"RAY_AUTH_MODE={env.get('value')} turns Ray token authentication "
+                        "off; use token (with RAY_AUTH_TOKEN from a Secret)",
+                    )
+                )
             if STORAGE_ENV.match(env["name"]) and "value" in env:
                 problems += storage_problem(ckey, env["name"], env["value"])
     return problems
@@ -126,15 +184,25 @@ def _check_k8s_spot_group(key: str, group: dict) -> list[Problem]:
     tolerations = pod.get("tolerations") or []
     if not any(t.get("key") == selector or (t.get("operator") == "Exists" and "key" not in t) for t in tolerations):
         value = K8S_SPOT_SELECTORS.get(selector, "true")
-        problems.append(Problem(f"{key}.template.spec.tolerations",
-                                "no toleration for the spot taint (spot nodes are tainted so that nothing else "
-                                f"lands there); add {{key: {selector}, operator: Equal, value: \"{value}\", "
-                                "effect: NoSchedule}"))
-    if not any(WATCHER.search(" ".join(c.get("command", []) + c.get("args", [])))
-               for c in pod["containers"] + pod.get("initContainers", [])):
-        problems.append(Problem(f"{key}.template.spec.containers",
-                                "spot pods do not start the preemption watcher; add a sidecar container running "
-                                f"`{WATCHER_COMMAND} --provider auto`"))
+        problems.append(
+            Problem(
+                f"{key}.template.spec.tolerations",
+                "no toleration for the spot taint (spot nodes are tainted so that nothing else "
+                f'lands there); add {{key: {selector}, operator: Equal, value: "{value}", '
+                "effect: NoSchedule}",
+            )
+        )
+    if not any(
+        WATCHER.search(" ".join(c.get("command", []) + c.get("args", [])))
+        for c in pod["containers"] + pod.get("initContainers", [])
+    ):
+        problems.append(
+            Problem(
+                f"{key}.template.spec.containers",
+                "spot pods do not start the preemption watcher; add a sidecar container running "
+                f"`{WATCHER_COMMAND} --provider auto`",
+            )
+        )
     return problems
 
 

@@ -26,8 +26,9 @@ def _strict(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[
     return schema
 
 
-_ENV_VAR = _strict({"name": {"type": "string"}, "value": {"type": "string"}, "valueFrom": _ANY_OBJECT},
-                   required=("name",))
+_ENV_VAR = _strict(
+    {"name": {"type": "string"}, "value": {"type": "string"}, "valueFrom": _ANY_OBJECT}, required=("name",)
+)
 
 _RESOURCE_REQUIREMENTS = _strict({"limits": _QUANTITY_MAP, "requests": _QUANTITY_MAP, "claims": {"type": "array"}})
 
@@ -42,9 +43,19 @@ _CONTAINER = _strict(
         "env": {"type": "array", "items": _ENV_VAR},
         "envFrom": {"type": "array", "items": _ANY_OBJECT},
         "resources": _RESOURCE_REQUIREMENTS,
-        "ports": {"type": "array", "items": _strict({
-            "name": {"type": "string"}, "containerPort": _INT32, "hostPort": _INT32, "hostIP": {"type": "string"},
-            "protocol": {"enum": ["TCP", "UDP", "SCTP"]}}, required=("containerPort",))},
+        "ports": {
+            "type": "array",
+            "items": _strict(
+                {
+                    "name": {"type": "string"},
+                    "containerPort": _INT32,
+                    "hostPort": _INT32,
+                    "hostIP": {"type": "string"},
+                    "protocol": {"enum": ["TCP", "UDP", "SCTP"]},
+                },
+                required=("containerPort",),
+            ),
+        },
         "lifecycle": _strict({"postStart": _ANY_OBJECT, "preStop": _ANY_OBJECT, "stopSignal": {"type": "string"}}),
         "livenessProbe": _ANY_OBJECT,
         "readinessProbe": _ANY_OBJECT,
@@ -58,21 +69,34 @@ _CONTAINER = _strict(
         "terminationMessagePath": {"type": "string"},
         "terminationMessagePolicy": {"enum": ["File", "FallbackToLogsOnError"]},
         "volumeDevices": {"type": "array"},
-        "volumeMounts": {"type": "array", "items": _strict({
-            "name": {"type": "string"}, "mountPath": {"type": "string"}, "readOnly": {"type": "boolean"},
-            "subPath": {"type": "string"}, "subPathExpr": {"type": "string"}, "mountPropagation": {"type": "string"},
-            "recursiveReadOnly": {"type": "string"}}, required=("name", "mountPath"))},
+        "volumeMounts": {
+            "type": "array",
+            "items": _strict(
+                {
+                    "name": {"type": "string"},
+                    "mountPath": {"type": "string"},
+                    "readOnly": {"type": "boolean"},
+                    "subPath": {"type": "string"},
+                    "subPathExpr": {"type": "string"},
+                    "mountPropagation": {"type": "string"},
+                    "recursiveReadOnly": {"type": "string"},
+                },
+                required=("name", "mountPath"),
+            ),
+        },
     },
     required=("name",),
 )
 
-_TOLERATION = _strict({
-    "key": {"type": "string"},
-    "operator": {"enum": ["Exists", "Equal"]},
-    "value": {"type": "string"},
-    "effect": {"enum": ["NoSchedule", "PreferNoSchedule", "NoExecute", ""]},
-    "tolerationSeconds": {"type": "integer"},
-})
+_TOLERATION = _strict(
+    {
+        "key": {"type": "string"},
+        "operator": {"enum": ["Exists", "Equal"]},
+        "value": {"type": "string"},
+        "effect": {"enum": ["NoSchedule", "PreferNoSchedule", "NoExecute", ""]},
+        "tolerationSeconds": {"type": "integer"},
+    }
+)
 
 _POD_SPEC = _strict(
     {
@@ -122,8 +146,15 @@ _POD_SPEC = _strict(
 
 _POD_TEMPLATE = _strict(
     {
-        "metadata": _strict({"annotations": _STRING_MAP, "labels": _STRING_MAP, "name": {"type": "string"},
-                             "namespace": {"type": "string"}, "finalizers": {"type": "array"}}),
+        "metadata": _strict(
+            {
+                "annotations": _STRING_MAP,
+                "labels": _STRING_MAP,
+                "name": {"type": "string"},
+                "namespace": {"type": "string"},
+                "finalizers": {"type": "array"},
+            }
+        ),
         "spec": _POD_SPEC,
     },
     required=("spec",),
@@ -164,18 +195,20 @@ _WORKER_GROUP = _strict(
     required=("groupName", "template", "minReplicas", "maxReplicas"),
 )
 
-_AUTOSCALER_OPTIONS = _strict({
-    "version": {"enum": ["v1", "v2"]},
-    "upscalingMode": {"enum": ["Default", "Aggressive", "Conservative"]},
-    "idleTimeoutSeconds": _INT32,
-    "image": {"type": "string"},
-    "imagePullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
-    "resources": _RESOURCE_REQUIREMENTS,
-    "env": {"type": "array", "items": _ENV_VAR},
-    "envFrom": {"type": "array"},
-    "securityContext": _ANY_OBJECT,
-    "volumeMounts": {"type": "array"},
-})
+_AUTOSCALER_OPTIONS = _strict(
+    {
+        "version": {"enum": ["v1", "v2"]},
+        "upscalingMode": {"enum": ["Default", "Aggressive", "Conservative"]},
+        "idleTimeoutSeconds": _INT32,
+        "image": {"type": "string"},
+        "imagePullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
+        "resources": _RESOURCE_REQUIREMENTS,
+        "env": {"type": "array", "items": _ENV_VAR},
+        "envFrom": {"type": "array"},
+        "securityContext": _ANY_OBJECT,
+        "volumeMounts": {"type": "array"},
+    }
+)
 
 RAYCLUSTER_SCHEMA: dict[str, Any] = {
     "$schema": "http://json-schema.org/draft-07/schema#",
@@ -184,9 +217,16 @@ RAYCLUSTER_SCHEMA: dict[str, Any] = {
     "properties": {
         "apiVersion": {"const": "ray.io/v1"},
         "kind": {"const": "RayCluster"},
-        "metadata": {"type": "object", "required": ["name"],
-                     "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
-                                    "labels": _STRING_MAP, "annotations": _STRING_MAP}},
+        "metadata": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string"},
+                "namespace": {"type": "string"},
+                "labels": _STRING_MAP,
+                "annotations": _STRING_MAP,
+            },
+        },
         "spec": _strict(
             {
                 "rayVersion": {"type": "string"},

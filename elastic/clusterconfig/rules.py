@@ -15,8 +15,13 @@ from elastic.placement.labels import HEAD_ROLE, MARKET_LABEL, MARKETS, ROLE_LABE
 WATCHER_COMMAND = "elastic watch-preemption"
 REMOTE_SCHEMES = ("s3", "s3a", "gs", "gcs", "abfs", "abfss", "az")
 AWS_MARKET_TYPES = ("spot", "capacity-block")
-AWS_SPOT_OPTIONS = ("MaxPrice", "SpotInstanceType", "BlockDurationMinutes", "ValidUntil",
-                    "InstanceInterruptionBehavior")
+AWS_SPOT_OPTIONS = (
+    "MaxPrice",
+    "SpotInstanceType",
+    "BlockDurationMinutes",
+    "ValidUntil",
+    "InstanceInterruptionBehavior",
+)
 GCP_PROVISIONING_MODELS = ("SPOT", "STANDARD")
 GCP_TERMINATION_ACTIONS = ("STOP", "DELETE")
 _WORLD = ("0.0.0.0/0", "::/0")
@@ -45,9 +50,13 @@ def check_ray_up(config: dict, cloud: str) -> list[Problem]:
         problems += check_labels(f"{base}.labels", labels, head=name == head)
         label_market = labels.get(MARKET_LABEL)
         if label_market in MARKETS and cloud_market is not None and cloud_market != label_market:
-            problems.append(Problem(f"{base}.labels.{MARKET_LABEL}",
-                                    f"labeled '{label_market}' but {_market_source(cloud)} makes it {cloud_market}; "
-                                    f"label it '{cloud_market}' or change the node config"))
+            problems.append(
+                Problem(
+                    f"{base}.labels.{MARKET_LABEL}",
+                    f"labeled '{label_market}' but {_market_source(cloud)} makes it {cloud_market}; "
+                    f"label it '{cloud_market}' or change the node config",
+                )
+            )
         if name == head:
             problems += _check_head(config, base, node_type, cloud_market, cloud)
             continue
@@ -57,13 +66,21 @@ def check_ray_up(config: dict, cloud: str) -> list[Problem]:
             problems += _check_watcher(commands[name], base, cloud)
 
     if not spot_gpu:
-        problems.append(Problem("available_node_types",
-                                f"no spot GPU worker type; add one with {_spot_hint(cloud)}, GPUs, and labels "
-                                f"{{{MARKET_LABEL}: spot, {ROLE_LABEL}: {WORKER_ROLE}}}"))
+        problems.append(
+            Problem(
+                "available_node_types",
+                f"no spot GPU worker type; add one with {_spot_hint(cloud)}, GPUs, and labels "
+                f"{{{MARKET_LABEL}: spot, {ROLE_LABEL}: {WORKER_ROLE}}}",
+            )
+        )
     if not on_demand_gpu:
-        problems.append(Problem("available_node_types",
-                                "no on-demand GPU worker type (the fallback when spot capacity is short); add one "
-                                f"with GPUs and labels {{{MARKET_LABEL}: on-demand, {ROLE_LABEL}: {WORKER_ROLE}}}"))
+        problems.append(
+            Problem(
+                "available_node_types",
+                "no on-demand GPU worker type (the fallback when spot capacity is short); add one "
+                f"with GPUs and labels {{{MARKET_LABEL}: on-demand, {ROLE_LABEL}: {WORKER_ROLE}}}",
+            )
+        )
     problems += _check_token_auth(config, commands)
     problems += _check_dashboard(config)
     problems += _check_storage(commands)
@@ -105,19 +122,33 @@ def check_labels(key: str, labels: Any, head: bool) -> list[Problem]:
     want_role = HEAD_ROLE if head else WORKER_ROLE
     role = labels.get(ROLE_LABEL)
     if role != want_role:
-        why = ("drivers and controllers select the head by it" if head
-               else f"training workers select {ROLE_LABEL}={WORKER_ROLE}")
-        problems.append(Problem(f"{key}.{ROLE_LABEL}" if role is not None else key,
-                                f"{'missing ' + ROLE_LABEL + ' label' if role is None else repr(role) + ' is the wrong role'}"
-                                f" ({why}); set labels.{ROLE_LABEL}: {want_role}"))
+        why = (
+            "drivers and controllers select the head by it"
+            if head
+            else f"training workers select {ROLE_LABEL}={WORKER_ROLE}"
+        )
+        problems.append(
+            Problem(
+                f"{key}.{ROLE_LABEL}" if role is not None else key,
+                f"{'missing ' + ROLE_LABEL + ' label' if role is None else repr(role) + ' is the wrong role'}"
+                f" ({why}); set labels.{ROLE_LABEL}: {want_role}",
+            )
+        )
     market = labels.get(MARKET_LABEL)
     if market is None:
-        problems.append(Problem(key, f"missing {MARKET_LABEL} label; jobs select nodes by it: set labels."
-                                     f"{MARKET_LABEL}: spot or on-demand"))
+        problems.append(
+            Problem(
+                key,
+                f"missing {MARKET_LABEL} label; jobs select nodes by it: set labels.{MARKET_LABEL}: spot or on-demand",
+            )
+        )
     elif market not in MARKETS:
-        problems.append(Problem(f"{key}.{MARKET_LABEL}",
-                                f"{market!r} is not a market jobs request{suggest(market, MARKETS)}; "
-                                f"use one of {', '.join(MARKETS)}"))
+        problems.append(
+            Problem(
+                f"{key}.{MARKET_LABEL}",
+                f"{market!r} is not a market jobs request{suggest(market, MARKETS)}; use one of {', '.join(MARKETS)}",
+            )
+        )
     return problems
 
 
@@ -125,62 +156,102 @@ def _check_head(config: dict, base: str, node_type: dict, market: str, cloud: st
     problems = []
     if market == "spot":
         fix = "remove InstanceMarketOptions" if cloud == "aws" else "use scheduling.provisioningModel: STANDARD"
-        problems.append(Problem(f"{base}.node_config", "the head is on spot: a reclaim ends every driver, the "
-                                                       f"autoscaler and the job API; {fix} on the head"))
+        problems.append(
+            Problem(
+                f"{base}.node_config",
+                f"the head is on spot: a reclaim ends every driver, the autoscaler and the job API; {fix} on the head",
+            )
+        )
     resources = node_type.get("resources") or {}
     start = " ".join(cmd for _, cmd in _keyed(config, "head_start_ray_commands"))
     cpus_zero = resources.get("CPU") == 0 or (
-        "CPU" not in resources and re.search(r"--num-cpus[= ]+0\b", start) is not None)
+        "CPU" not in resources and re.search(r"--num-cpus[= ]+0\b", start) is not None
+    )
     if not cpus_zero:
-        problems.append(Problem(f"{base}.resources.CPU" if "CPU" in resources else f"{base}.resources",
-                                "the head offers CPUs to training; set resources.CPU: 0 (it hosts job drivers "
-                                "and controllers, which need none)"))
+        problems.append(
+            Problem(
+                f"{base}.resources.CPU" if "CPU" in resources else f"{base}.resources",
+                "the head offers CPUs to training; set resources.CPU: 0 (it hosts job drivers "
+                "and controllers, which need none)",
+            )
+        )
     if resources.get("GPU", 0) != 0:
-        problems.append(Problem(f"{base}.resources.GPU", "the head offers GPUs to training; use a CPU instance "
-                                                         "for the head and set resources.GPU: 0"))
+        problems.append(
+            Problem(
+                f"{base}.resources.GPU",
+                "the head offers GPUs to training; use a CPU instance for the head and set resources.GPU: 0",
+            )
+        )
     return problems
 
 
 def _check_watcher(commands: list[tuple[str, str]], base: str, cloud: str) -> list[Problem]:
     started = [(key, cmd, match) for key, cmd in commands for match in [WATCHER.search(cmd)] if match]
     if not started:
-        return [Problem(base, f"spot nodes of this type do not start the preemption watcher; add "
-                              f"`nohup {WATCHER_COMMAND} --provider {cloud} >/tmp/ray/elastic-watcher.log 2>&1 &` "
-                              "to worker_start_ray_commands (after `ray start`)")]
+        return [
+            Problem(
+                base,
+                f"spot nodes of this type do not start the preemption watcher; add "
+                f"`nohup {WATCHER_COMMAND} --provider {cloud} >/tmp/ray/elastic-watcher.log 2>&1 &` "
+                "to worker_start_ray_commands (after `ray start`)",
+            )
+        ]
     problems = []
     for key, cmd, match in started:
         provider = re.search(r"--provider[= ]+(\S+)", match.group("args"))
         if provider and provider.group(1).strip("'\"") not in (cloud, "auto"):
-            problems.append(Problem(key, f"the watcher is started with --provider {provider.group(1)} on this "
-                                         f"{cloud} cluster; use --provider {cloud}"))
-        if not _BACKGROUND.search(cmd[match.start():]):
-            problems.append(Problem(key, "the watcher runs in the foreground and would block node setup; "
-                                         f"start it with `nohup {WATCHER_COMMAND} ... &`"))
+            problems.append(
+                Problem(
+                    key,
+                    f"the watcher is started with --provider {provider.group(1)} on this "
+                    f"{cloud} cluster; use --provider {cloud}",
+                )
+            )
+        if not _BACKGROUND.search(cmd[match.start() :]):
+            problems.append(
+                Problem(
+                    key,
+                    "the watcher runs in the foreground and would block node setup; "
+                    f"start it with `nohup {WATCHER_COMMAND} ... &`",
+                )
+            )
     return problems
 
 
 def _check_token_auth(config: dict, commands: dict[str, list[tuple[str, str]]]) -> list[Problem]:
     problems = []
-    modes = {name: [(key, value) for key, cmd in cmds for var, value in env_assignments(cmd)
-                    if var == "RAY_AUTH_MODE"] for name, cmds in commands.items()}
+    modes = {
+        name: [(key, value) for key, cmd in cmds for var, value in env_assignments(cmd) if var == "RAY_AUTH_MODE"]
+        for name, cmds in commands.items()
+    }
     fix = "export RAY_AUTH_MODE=token in setup_commands (every node) before `ray start`"
     if not any(modes.values()):
         problems.append(Problem("setup_commands", f"Ray token authentication is off on every node; {fix}"))
     for name, found in modes.items():
         if not found and any(modes.values()):
-            problems.append(Problem(f"available_node_types.{name}",
-                                    f"Ray token authentication is off on these nodes; {fix}"))
+            problems.append(
+                Problem(f"available_node_types.{name}", f"Ray token authentication is off on these nodes; {fix}")
+            )
         for key, value in found:
             if value != "token":
-                problems.append(Problem(key, f"RAY_AUTH_MODE={value} turns Ray token authentication off; "
-                                             "use RAY_AUTH_MODE=token"))
+                problems.append(
+                    Problem(key, f"RAY_AUTH_MODE={value} turns Ray token authentication off; use RAY_AUTH_MODE=token")
+                )
     mounts = config.get("file_mounts") or {}
     if not any(str(remote).rstrip("/").endswith(".ray/auth_token") for remote in mounts) and not any(
-            var in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
-            for cmds in commands.values() for _, cmd in cmds for var, _ in env_assignments(cmd)):
-        problems.append(Problem("file_mounts", "no Ray auth token reaches the nodes; add file_mounts: "
-                                               "{'~/.ray/auth_token': '~/.ray/auth_token'} (create it first with "
-                                               "`ray get-auth-token --generate`)"))
+        var in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+        for cmds in commands.values()
+        for _, cmd in cmds
+        for var, _ in env_assignments(cmd)
+    ):
+        problems.append(
+            Problem(
+                "file_mounts",
+                "no Ray auth token reaches the nodes; add file_mounts: "
+                "{'~/.ray/auth_token': '~/.ray/auth_token'} (create it first with "
+                "`ray get-auth-token --generate`)",
+            )
+        )
     return problems
 
 
@@ -189,9 +260,14 @@ def _check_dashboard(config: dict) -> list[Problem]:
     for key, cmd in _keyed(config, "head_start_ray_commands"):
         host = re.search(r"--dashboard-host[= ]+['\"]?([^\s'\";]+)", cmd)
         if host and host.group(1) in ("0.0.0.0", "::", "[::]"):
-            problems.append(Problem(key, f"--dashboard-host={host.group(1)} serves the dashboard and job API on "
-                                         "every interface; use --dashboard-host=127.0.0.1 and reach it with "
-                                         "`ray dashboard CONFIG` (an SSH tunnel)"))
+            problems.append(
+                Problem(
+                    key,
+                    f"--dashboard-host={host.group(1)} serves the dashboard and job API on "
+                    "every interface; use --dashboard-host=127.0.0.1 and reach it with "
+                    "`ray dashboard CONFIG` (an SSH tunnel)",
+                )
+            )
     return problems
 
 
@@ -222,12 +298,22 @@ def _check_package_pin(commands: dict[str, list[tuple[str, str]]]) -> list[Probl
                 spec = match.group(1).strip("'\"")
                 pinned = re.fullmatch(r"==([\w.+!-]+)", spec)
                 if not pinned:
-                    problems.append(Problem(key, f"installs elastic-train{spec} unpinned; pin the version you run "
-                                                 f"here: elastic-train=={local or 'X.Y.Z'}"))
+                    problems.append(
+                        Problem(
+                            key,
+                            f"installs elastic-train{spec} unpinned; pin the version you run "
+                            f"here: elastic-train=={local or 'X.Y.Z'}",
+                        )
+                    )
                 elif local and pinned.group(1) != local:
-                    problems.append(Problem(key, f"installs elastic-train=={pinned.group(1)} but this elastic is "
-                                                 f"{local}; the nodes and the submitting machine must run the same "
-                                                 f"version: elastic-train=={local}"))
+                    problems.append(
+                        Problem(
+                            key,
+                            f"installs elastic-train=={pinned.group(1)} but this elastic is "
+                            f"{local}; the nodes and the submitting machine must run the same "
+                            f"version: elastic-train=={local}",
+                        )
+                    )
     return problems
 
 
@@ -235,8 +321,13 @@ def storage_problem(key: str, var: str, value: str) -> list[Problem]:
     scheme = value.split("://", 1)[0].lower() if "://" in value else ""
     if scheme in REMOTE_SCHEMES or value.startswith("$"):
         return []
-    return [Problem(key, f"{var}={value or '(empty)'} is node-local storage: a reclaimed node takes its "
-                         "checkpoints with it; use an object store URI such as s3://BUCKET/runs or gs://BUCKET/runs")]
+    return [
+        Problem(
+            key,
+            f"{var}={value or '(empty)'} is node-local storage: a reclaimed node takes its "
+            "checkpoints with it; use an object store URI such as s3://BUCKET/runs or gs://BUCKET/runs",
+        )
+    ]
 
 
 # AWS ---------------------------------------------------------------------------------------------------
@@ -260,14 +351,23 @@ def _check_aws_node_config(key: str, node_config: dict) -> list[Problem]:
     else:
         for field in options:
             if field not in ("MarketType", "SpotOptions"):
-                problems.append(Problem(f"{key}.InstanceMarketOptions.{field}",
-                                        f"unknown field{suggest(field, ('MarketType', 'SpotOptions'))}; "
-                                        "InstanceMarketOptions takes MarketType and SpotOptions"))
+                problems.append(
+                    Problem(
+                        f"{key}.InstanceMarketOptions.{field}",
+                        f"unknown field{suggest(field, ('MarketType', 'SpotOptions'))}; "
+                        "InstanceMarketOptions takes MarketType and SpotOptions",
+                    )
+                )
         market = options.get("MarketType")
         if market not in AWS_MARKET_TYPES:
-            problems.append(Problem(f"{key}.InstanceMarketOptions.MarketType",
-                                    f"{market!r} is not a market type; use 'spot'"
-                                    if market is not None else "missing; use MarketType: spot"))
+            problems.append(
+                Problem(
+                    f"{key}.InstanceMarketOptions.MarketType",
+                    f"{market!r} is not a market type; use 'spot'"
+                    if market is not None
+                    else "missing; use MarketType: spot",
+                )
+            )
         spot = options.get("SpotOptions")
         if spot is not None:
             problems += _check_spot_options(f"{key}.InstanceMarketOptions.SpotOptions", spot)
@@ -283,26 +383,45 @@ def _check_spot_options(key: str, spot: Any) -> list[Problem]:
     problems = []
     for field in spot:
         if field not in AWS_SPOT_OPTIONS:
-            problems.append(Problem(f"{key}.{field}", f"unknown SpotOptions field{suggest(field, AWS_SPOT_OPTIONS)};"
-                                                      f" valid: {', '.join(AWS_SPOT_OPTIONS)}"))
+            problems.append(
+                Problem(
+                    f"{key}.{field}",
+                    f"unknown SpotOptions field{suggest(field, AWS_SPOT_OPTIONS)};"
+                    f" valid: {', '.join(AWS_SPOT_OPTIONS)}",
+                )
+            )
     if "MaxPrice" in spot:
         price = spot["MaxPrice"]
         if not isinstance(price, str):
-            problems.append(Problem(f"{key}.MaxPrice", f"{price!r} must be a quoted string (EC2 takes the price "
-                                                       f"as text), e.g. MaxPrice: '{price}'"))
+            problems.append(
+                Problem(
+                    f"{key}.MaxPrice",
+                    f"{price!r} must be a quoted string (EC2 takes the price as text), e.g. MaxPrice: '{price}'",
+                )
+            )
         elif not re.fullmatch(r"\d+(\.\d+)?", price) or float(price) <= 0:
-            problems.append(Problem(f"{key}.MaxPrice", f"{price!r} is not a price; use USD per hour as a "
-                                                       "numeric string such as '1.20'"))
+            problems.append(
+                Problem(
+                    f"{key}.MaxPrice", f"{price!r} is not a price; use USD per hour as a numeric string such as '1.20'"
+                )
+            )
     kind = spot.get("SpotInstanceType")
     if kind is not None and kind != "one-time":
-        problems.append(Problem(f"{key}.SpotInstanceType",
-                                f"{kind!r}: Ray's autoscaler replaces reclaimed nodes itself, a persistent request "
-                                "would relaunch instances Ray no longer tracks; use 'one-time'"))
+        problems.append(
+            Problem(
+                f"{key}.SpotInstanceType",
+                f"{kind!r}: Ray's autoscaler replaces reclaimed nodes itself, a persistent request "
+                "would relaunch instances Ray no longer tracks; use 'one-time'",
+            )
+        )
     behavior = spot.get("InstanceInterruptionBehavior")
     if behavior is not None and behavior != "terminate":
-        problems.append(Problem(f"{key}.InstanceInterruptionBehavior",
-                                f"{behavior!r} keeps reclaimed instances (and their EBS cost) around; "
-                                "use 'terminate'"))
+        problems.append(
+            Problem(
+                f"{key}.InstanceInterruptionBehavior",
+                f"{behavior!r} keeps reclaimed instances (and their EBS cost) around; use 'terminate'",
+            )
+        )
     return problems
 
 
@@ -320,12 +439,19 @@ def _check_aws_ingress(provider: dict) -> list[Problem]:
         low, high = rule.get("FromPort"), rule.get("ToPort")
         if str(rule.get("IpProtocol")) == "tcp" and low == 22 and high == 22:
             continue  # SSH: Ray's own security group already allows it; nodes accept keys only
-        ports = "all ports" if str(rule.get("IpProtocol")) == "-1" or low in (None, -1) else (
-            f"port {low}" if low == high else f"ports {low}-{high}")
-        problems.append(Problem(f"provider.security_group.IpPermissions[{i}]",
-                                f"opens {ports} to the world ({world[0]}); remove the rule and reach the dashboard "
-                                "and job API with `ray dashboard CONFIG` (an SSH tunnel), or restrict it to your "
-                                "network's CIDR"))
+        ports = (
+            "all ports"
+            if str(rule.get("IpProtocol")) == "-1" or low in (None, -1)
+            else (f"port {low}" if low == high else f"ports {low}-{high}")
+        )
+        problems.append(
+            Problem(
+                f"provider.security_group.IpPermissions[{i}]",
+                f"opens {ports} to the world ({world[0]}); remove the rule and reach the dashboard "
+                "and job API with `ray dashboard CONFIG` (an SSH tunnel), or restrict it to your "
+                "network's CIDR",
+            )
+        )
     return problems
 
 
@@ -337,41 +463,68 @@ def _check_gcp_node_config(key: str, node_config: dict) -> list[Problem]:
     scheduling = node_config.get("scheduling")
     accelerators = node_config.get("guestAccelerators") or []
     if scheduling is not None and not isinstance(scheduling, dict):
-        return [Problem(f"{key}.scheduling", "must be a mapping (the Compute API's Scheduling object), e.g. "
-                                             "{provisioningModel: SPOT, onHostMaintenance: TERMINATE}")]
+        return [
+            Problem(
+                f"{key}.scheduling",
+                "must be a mapping (the Compute API's Scheduling object), e.g. "
+                "{provisioningModel: SPOT, onHostMaintenance: TERMINATE}",
+            )
+        ]
     scheduling = scheduling or {}
     model = scheduling.get("provisioningModel")
     if model is not None and model not in GCP_PROVISIONING_MODELS:
         fix = str(model).upper() if str(model).upper() in GCP_PROVISIONING_MODELS else "SPOT or STANDARD"
-        problems.append(Problem(f"{key}.scheduling.provisioningModel",
-                                f"{model!r} is not a provisioning model; use {fix}"))
+        problems.append(
+            Problem(f"{key}.scheduling.provisioningModel", f"{model!r} is not a provisioning model; use {fix}")
+        )
     preemptible = scheduling.get("preemptible")
     if preemptible is not None and not isinstance(preemptible, bool):
-        problems.append(Problem(f"{key}.scheduling.preemptible", f"{preemptible!r} must be true or false "
-                                                                 "(unquoted)"))
+        problems.append(Problem(f"{key}.scheduling.preemptible", f"{preemptible!r} must be true or false (unquoted)"))
     elif model == "SPOT" and preemptible is False:
-        problems.append(Problem(f"{key}.scheduling.preemptible", "false contradicts provisioningModel: SPOT; "
-                                                                 "set preemptible: true or remove it"))
+        problems.append(
+            Problem(
+                f"{key}.scheduling.preemptible",
+                "false contradicts provisioningModel: SPOT; set preemptible: true or remove it",
+            )
+        )
     action = scheduling.get("instanceTerminationAction")
     if action is not None:
         if action not in GCP_TERMINATION_ACTIONS:
-            problems.append(Problem(f"{key}.scheduling.instanceTerminationAction",
-                                    f"{action!r} is not a termination action; use DELETE"))
+            problems.append(
+                Problem(
+                    f"{key}.scheduling.instanceTerminationAction", f"{action!r} is not a termination action; use DELETE"
+                )
+            )
         elif action == "STOP":
-            problems.append(Problem(f"{key}.scheduling.instanceTerminationAction",
-                                    "STOP keeps reclaimed VMs (and their disks' cost) that Ray no longer uses; "
-                                    "use DELETE"))
+            problems.append(
+                Problem(
+                    f"{key}.scheduling.instanceTerminationAction",
+                    "STOP keeps reclaimed VMs (and their disks' cost) that Ray no longer uses; use DELETE",
+                )
+            )
     if _gcp_is_spot(node_config) and scheduling.get("automaticRestart") is True:
-        problems.append(Problem(f"{key}.scheduling.automaticRestart", "spot VMs cannot restart automatically; "
-                                                                      "set automaticRestart: false"))
+        problems.append(
+            Problem(
+                f"{key}.scheduling.automaticRestart",
+                "spot VMs cannot restart automatically; set automaticRestart: false",
+            )
+        )
     if accelerators and scheduling.get("onHostMaintenance") != "TERMINATE":
-        problems.append(Problem(f"{key}.scheduling.onHostMaintenance",
-                                "VMs with GPUs cannot live-migrate; set scheduling.onHostMaintenance: TERMINATE"))
+        problems.append(
+            Problem(
+                f"{key}.scheduling.onHostMaintenance",
+                "VMs with GPUs cannot live-migrate; set scheduling.onHostMaintenance: TERMINATE",
+            )
+        )
     for i, accel in enumerate(accelerators if isinstance(accelerators, list) else []):
         if not isinstance(accel, dict) or not accel.get("acceleratorType") or not accel.get("acceleratorCount"):
-            problems.append(Problem(f"{key}.guestAccelerators[{i}]",
-                                    "needs acceleratorType and acceleratorCount, e.g. "
-                                    "{acceleratorType: nvidia-l4, acceleratorCount: 1}"))
+            problems.append(
+                Problem(
+                    f"{key}.guestAccelerators[{i}]",
+                    "needs acceleratorType and acceleratorCount, e.g. "
+                    "{acceleratorType: nvidia-l4, acceleratorCount: 1}",
+                )
+            )
     return problems
 
 
@@ -393,8 +546,11 @@ def _cloud_market(cloud: str, node_config: dict) -> str | None:
         return "spot" if options["MarketType"] == "spot" else "on-demand"
     if cloud == "gcp":
         scheduling = node_config.get("scheduling", {})
-        if not isinstance(scheduling, dict) or scheduling.get("provisioningModel", "SPOT") not in \
-                GCP_PROVISIONING_MODELS or not isinstance(scheduling.get("preemptible", False), bool):
+        if (
+            not isinstance(scheduling, dict)
+            or scheduling.get("provisioningModel", "SPOT") not in GCP_PROVISIONING_MODELS
+            or not isinstance(scheduling.get("preemptible", False), bool)
+        ):
             return None
         return "spot" if _gcp_is_spot(node_config) else "on-demand"
     return "on-demand"
@@ -405,8 +561,11 @@ def _market_source(cloud: str) -> str:
 
 
 def _spot_hint(cloud: str) -> str:
-    return ("node_config.InstanceMarketOptions: {MarketType: spot}" if cloud == "aws"
-            else "node_config.scheduling: {provisioningModel: SPOT}")
+    return (
+        "node_config.InstanceMarketOptions: {MarketType: spot}"
+        if cloud == "aws"
+        else "node_config.scheduling: {provisioningModel: SPOT}"
+    )
 
 
 def _gpus(cloud: str, node_type: dict) -> float:

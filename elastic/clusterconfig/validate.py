@@ -80,14 +80,24 @@ def validate(config: dict) -> list[Problem]:
     if kind == "kuberay":
         return unique(check_kuberay(config))
     if kind == "unknown":
-        return [Problem("provider.type", "no provider.type and not a RayCluster manifest; this command checks "
-                                         "`ray up` configs (provider.type: aws or gcp) and KubeRay RayClusters")]
+        return [
+            Problem(
+                "provider.type",
+                "no provider.type and not a RayCluster manifest; this command checks "
+                "`ray up` configs (provider.type: aws or gcp) and KubeRay RayClusters",
+            )
+        ]
     problems = ray_schema_problems(config)
     if problems:  # our checks assume the shape Ray's schema guarantees
         return problems
     if kind not in ("aws", "gcp"):
-        return [Problem("provider.type", f"'{kind}' clusters are not covered by these checks; "
-                                         "use provider.type aws or gcp, or a KubeRay RayCluster")]
+        return [
+            Problem(
+                "provider.type",
+                f"'{kind}' clusters are not covered by these checks; "
+                "use provider.type aws or gcp, or a KubeRay RayCluster",
+            )
+        ]
     # Check what `ray up` will run: omitted top-level keys come from Ray's defaults for the provider.
     full = fillout_defaults(copy.deepcopy(config))
     return unique(check_ray_up(full, kind))

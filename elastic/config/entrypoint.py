@@ -17,15 +17,18 @@ def check_entrypoint(spec: JobSpec, working_dir: Path) -> None:
         return  # a module path is importable only in the job's environment; checked when the job starts
     path = working_dir / target
     if not path.is_file():
-        raise SpecError(f"entrypoint: {target} not found under {working_dir}; fix the path or submit from the project root")
+        raise SpecError(
+            f"entrypoint: {target} not found under {working_dir}; fix the path or submit from the project root"
+        )
     try:
         tree = ast.parse(path.read_text(), filename=str(path))
     except SyntaxError as err:
         raise SpecError(f"entrypoint: {target}:{err.lineno}: syntax error ({err.msg}); fix the file") from None
     if name not in _top_level_names(tree):
         functions = sorted(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
-        raise SpecError(f"entrypoint: {target} defines no function '{name}'; functions there: "
-                        f"{', '.join(functions) or 'none'}")
+        raise SpecError(
+            f"entrypoint: {target} defines no function '{name}'; functions there: {', '.join(functions) or 'none'}"
+        )
 
 
 def _top_level_names(tree) -> set[str]:

@@ -40,21 +40,23 @@ class WorkersSpec(_Frozen):
     market: Market = Field(
         default="any",
         description="Nodes the workers may use: spot, on-demand, any worker node, or spot-first (spot when it "
-                    "can be had within spot_wait_seconds, else on-demand, moving back to spot when it returns).",
+        "can be had within spot_wait_seconds, else on-demand, moving back to spot when it returns).",
     )
     spot_wait_seconds: float = Field(
-        default=120.0, ge=0,
+        default=120.0,
+        ge=0,
         description="spot-first: how long to wait for spot capacity for `min` workers before running on on-demand.",
     )
     swap_to_spot: bool = Field(
         default=True,
         description="spot-first: once on on-demand, move the workers to spot at the next checkpoint when spot "
-                    "capacity returns (no step is lost: the run resumes from that checkpoint).",
+        "capacity returns (no step is lost: the run resumes from that checkpoint).",
     )
     regrow_after_seconds: float = Field(
-        default=10.0, ge=0,
+        default=10.0,
+        ge=0,
         description="Elastic runs below max: grow at the next checkpoint once free capacity for more workers "
-                    "has been seen this long (a steady reading, so a node coming and going causes no resize).",
+        "has been seen this long (a steady reading, so a node coming and going causes no resize).",
     )
 
     @field_validator("max")
@@ -85,16 +87,18 @@ class CheckpointSpec(_Frozen):
     every_seconds: Optional[float] = Field(default=None, gt=0, description="Save every S seconds.")
     keep: int = Field(default=3, ge=1, description="Committed checkpoints to keep.")
     keep_every: Optional[int] = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="Also keep every committed checkpoint whose step is a multiple of N (milestones).",
     )
     just_in_time: bool = Field(
         default=True,
         description="When a node of the run is being reclaimed (a Ray drain, e.g. from a spot notice), keep "
-                    "training until just before the deadline, save once, and resume elsewhere from that save.",
+        "training until just before the deadline, save once, and resume elsewhere from that save.",
     )
     jit_margin_seconds: float = Field(
-        default=2.0, ge=0,
+        default=2.0,
+        ge=0,
         description="Safety margin: the just-in-time save is planned to commit this long before the deadline.",
     )
 
@@ -127,7 +131,8 @@ class TrainSpec(_Frozen):
     )
     grad_clip_norm: Optional[float] = Field(default=None, gt=0, description="Clip the gradient norm to this.")
     max_nonfinite_steps: int = Field(
-        default=5, ge=1,
+        default=5,
+        ge=1,
         description="A step whose loss is NaN/inf is skipped and counted; this many in a row stop the run.",
     )
     activation_checkpointing: bool = Field(
@@ -141,17 +146,17 @@ class RuntimeEnvSpec(_Frozen):
 
     pip: list[str] = Field(default_factory=list, description="Extra pip requirements for driver and workers.")
     env_vars: dict[str, str] = Field(default_factory=dict, description="Environment variables.")
-    excludes: list[str] = Field(
-        default_factory=list, description="Extra paths left out of the uploaded working_dir."
-    )
+    excludes: list[str] = Field(default_factory=list, description="Extra paths left out of the uploaded working_dir.")
 
     @field_validator("env_vars", mode="before")
     @classmethod
     def _scalars_as_strings(cls, value: Any) -> Any:
         # `FOO: 1` in YAML (or --set ...FOO=1) means the string "1" to a process environment.
         if isinstance(value, dict):
-            return {k: str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, (int, float)) else v
-                    for k, v in value.items()}
+            return {
+                k: str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, (int, float)) else v
+                for k, v in value.items()
+            }
         return value
 
 
@@ -205,12 +210,14 @@ def load_job_spec(path: str | Path, overrides: tuple[str, ...] | list[str] = ())
 
 
 def parse_job_spec(text: str, source: str = "<job>", overrides: tuple[str, ...] | list[str] = ()) -> JobSpec:
-    return parse_spec(text, JobSpec, source, overrides, "a job file must be a YAML mapping with name, entrypoint, "
-                                                         "workers, checkpoint")
+    return parse_spec(
+        text, JobSpec, source, overrides, "a job file must be a YAML mapping with name, entrypoint, workers, checkpoint"
+    )
 
 
-def parse_spec(text: str, model: type[BaseModel], source: str, overrides: tuple[str, ...] | list[str],
-               not_a_mapping: str):
+def parse_spec(
+    text: str, model: type[BaseModel], source: str, overrides: tuple[str, ...] | list[str], not_a_mapping: str
+):
     """YAML text -> `model`, with --set overrides; every problem one SpecError line (shared by job and sweep)."""
     try:
         raw = yaml.safe_load(text)
@@ -272,8 +279,13 @@ def job_schema() -> dict[str, Any]:
 # Error messages
 
 
-def _describe(err: ValidationError, model: type[BaseModel], root: yaml.Node | None, source: str,
-              overrides: tuple[str, ...] | list[str] = ()) -> str:
+def _describe(
+    err: ValidationError,
+    model: type[BaseModel],
+    root: yaml.Node | None,
+    source: str,
+    overrides: tuple[str, ...] | list[str] = (),
+) -> str:
     # A misspelled required field yields "missing" and "unknown field" errors: the typo is the useful one.
     errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
@@ -293,12 +305,16 @@ def _describe(err: ValidationError, model: type[BaseModel], root: yaml.Node | No
         line = _line_of(root, loc, key=False)
         got = first.get("input")
         shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
-        text = _PATTERN_HINTS.get(first["type"] == "string_pattern_mismatch" and str(loc[-1]), None) \
-            or first["msg"].removeprefix("Value error, ")
+        text = _PATTERN_HINTS.get(first["type"] == "string_pattern_mismatch" and str(loc[-1]), None) or first[
+            "msg"
+        ].removeprefix("Value error, ")
         message = f"{dotted}: {text}{shown}"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    overridden = [o for o in overrides if dotted == o.partition("=")[0].strip()
-                  or dotted.startswith(o.partition("=")[0].strip() + ".")]
+    overridden = [
+        o
+        for o in overrides
+        if dotted == o.partition("=")[0].strip() or dotted.startswith(o.partition("=")[0].strip() + ".")
+    ]
     if overridden:
         where = f"--set {overridden[-1]}"
     else:
@@ -345,4 +361,3 @@ def _line_of(root: yaml.Node | None, loc: tuple, key: bool) -> int | None:
 
 def dump_schema() -> str:
     return json.dumps(job_schema(), indent=2)
-

@@ -44,8 +44,10 @@ class ParamSpec(_Frozen):
     def _exactly_one(self) -> ParamSpec:
         given = [k for k in ("choice", "uniform", "loguniform", "grid") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one of choice, uniform, loguniform, grid"
-                             + (f" (got {', '.join(given)})" if given else ""))
+            raise ValueError(
+                "give exactly one of choice, uniform, loguniform, grid"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
         for kind in ("uniform", "loguniform"):
             bounds = getattr(self, kind)
             if bounds is not None:
@@ -70,8 +72,9 @@ class SchedulerSpec(_Frozen):
     grace_period: int = Field(default=1, ge=1, description="asha: time units before a trial may be stopped.")
     reduction_factor: float = Field(default=3.0, gt=1, description="asha: keep 1/reduction_factor per rung.")
     perturbation_interval: int = Field(default=2, ge=1, description="pbt: time units between perturbations.")
-    mutate: list[str] = Field(default_factory=list,
-                              description="pbt: space keys to perturb (default: every non-grid key).")
+    mutate: list[str] = Field(
+        default_factory=list, description="pbt: space keys to perturb (default: every non-grid key)."
+    )
 
     @model_validator(mode="after")
     def _grace_within_max(self) -> SchedulerSpec:
@@ -86,17 +89,24 @@ class PackingSpec(_Frozen):
     memory to measure, so the peak is the declared gpu_memory_gb and the device is device_memory_gb."""
 
     gpu_memory_gb: Optional[float] = Field(
-        default=None, gt=0, description="Declared peak device memory of one training worker (used without CUDA, "
-                                        "or instead of the probe's measure when set and probe is false).")
-    device_memory_gb: float = Field(default=80.0, gt=0,
-                                    description="Memory of one logical GPU (real GPUs report their own).")
+        default=None,
+        gt=0,
+        description="Declared peak device memory of one training worker (used without CUDA, "
+        "or instead of the probe's measure when set and probe is false).",
+    )
+    device_memory_gb: float = Field(
+        default=80.0, gt=0, description="Memory of one logical GPU (real GPUs report their own)."
+    )
     headroom: float = Field(default=0.15, ge=0, le=1, description="Extra fraction kept free above the peak.")
     context_gb: float = Field(default=0.5, ge=0, description="Per-process CUDA context, outside the allocator.")
     max_per_gpu: int = Field(default=8, ge=1, description="Most trials on one GPU whatever the memory says.")
     probe: bool = Field(default=True, description="Run a short probe trial first (step time; memory on CUDA).")
     probe_steps: int = Field(default=20, ge=2, description="Optimizer steps the probe runs.")
-    max_oom_retries: int = Field(default=2, ge=0, description="Retries of an out-of-memory trial, each with a "
-                                                              "bigger share (the share doubles, up to 1).")
+    max_oom_retries: int = Field(
+        default=2,
+        ge=0,
+        description="Retries of an out-of-memory trial, each with a bigger share (the share doubles, up to 1).",
+    )
 
 
 class SweepSpec(_Frozen):
@@ -104,8 +114,11 @@ class SweepSpec(_Frozen):
 
     name: str = Field(pattern=_NAME_PATTERN, description="Sweep name: the experiment folder and trial run names.")
     job: str = Field(min_length=1, description="The job YAML each trial runs.")
-    overrides: dict[str, Any] = Field(default_factory=dict, description="Job fields set for every trial: a partial job "
-                                       "mapping, e.g. {workers: {min: 1}, config: {epochs: 2}}.")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Job fields set for every trial: a partial job "
+        "mapping, e.g. {workers: {min: 1}, config: {epochs: 2}}.",
+    )
     space: dict[str, ParamSpec] = Field(min_length=1, description="The parameter space (keys are job fields).")
     num_samples: int = Field(default=1, ge=1, description="Samples (per grid point, as in Ray Tune).")
     metric: str = Field(min_length=1, description="Reported metric to optimize.")
@@ -113,10 +126,12 @@ class SweepSpec(_Frozen):
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     max_concurrent: Optional[int] = Field(default=None, ge=1, description="Most trials running at once.")
     gpu_share: Union[float, Literal["auto"]] = Field(
-        default="auto", description="GPU fraction of each training worker, in (0, 1], or auto (planned).")
+        default="auto", description="GPU fraction of each training worker, in (0, 1], or auto (planned)."
+    )
     packing: PackingSpec = Field(default_factory=PackingSpec)
-    driver_cpus: float = Field(default=0.05, gt=0, le=1,
-                               description="CPU of each trial's driver (its Tune trainable and Train controller).")
+    driver_cpus: float = Field(
+        default=0.05, gt=0, le=1, description="CPU of each trial's driver (its Tune trainable and Train controller)."
+    )
     max_failures: int = Field(default=2, ge=-1, description="Tune restarts of a failed trial (from its checkpoint).")
     storage: Optional[str] = Field(default=None, description="Experiment root (default: the job's checkpoint.uri).")
 
@@ -141,8 +156,9 @@ class SweepSpec(_Frozen):
     def _cross_checks(self) -> SweepSpec:
         unknown = [k for k in self.scheduler.mutate if k not in self.space]
         if unknown:
-            raise ValueError(f"scheduler.mutate: {unknown[0]!r} is not a key of space; use one of "
-                             f"{', '.join(self.space)}")
+            raise ValueError(
+                f"scheduler.mutate: {unknown[0]!r} is not a key of space; use one of {', '.join(self.space)}"
+            )
         if self.scheduler.type == "pbt" and not self.pbt_keys():
             raise ValueError("scheduler pbt needs a non-grid space key to perturb; add one or use asha")
         return self
@@ -178,8 +194,9 @@ def load_sweep_spec(path: str | Path, overrides: tuple[str, ...] | list[str] = (
 
 
 def parse_sweep_spec(text: str, source: str = "<sweep>", overrides: tuple[str, ...] | list[str] = ()) -> SweepSpec:
-    return parse_spec(text, SweepSpec, source, overrides,
-                      "a sweep file must be a YAML mapping with name, job, space, metric, mode")
+    return parse_spec(
+        text, SweepSpec, source, overrides, "a sweep file must be a YAML mapping with name, job, space, metric, mode"
+    )
 
 
 def load_trial_job(sweep: SweepSpec, base: Path = Path(".")) -> JobSpec:

@@ -68,8 +68,10 @@ def kill_points(kills: int, segments: int, notices: int = 0) -> list[KillPoint]:
     when there are enough of them); every other kill inside a checkpoint save; `segments - 1` kills (spread
     evenly too) end a segment so the next one starts at another worker count."""
     if kills < segments - 1:
-        raise UserError(f"--kills {kills} is too few for {segments} worker counts; "
-                        f"use --kills {segments - 1} or more (each change of worker count is a kill)")
+        raise UserError(
+            f"--kills {kills} is too few for {segments} worker counts; "
+            f"use --kills {segments - 1} or more (each change of worker count is a kill)"
+        )
     ends = {round((j + 1) * kills / segments) - 1 for j in range(segments - 1)}
     total = kills + notices
     # Notices take evenly spaced slots among all the points; kills fill the rest in order.
@@ -80,14 +82,14 @@ def kill_points(kills: int, segments: int, notices: int = 0) -> list[KillPoint]:
         if slot in notice_slots:
             points.append(KillPoint(slot, fraction, during_save=False, ends_segment=False, notice=True))
         else:
-            points.append(KillPoint(slot, fraction, during_save=kill_index % 2 == 1,
-                                    ends_segment=kill_index in ends))
+            points.append(KillPoint(slot, fraction, during_save=kill_index % 2 == 1, ends_segment=kill_index in ends))
             kill_index += 1
     return points
 
 
-def kill_step(point: KillPoint, resumed_step: int, consumed: float, total: float, per_step: float,
-              every_steps: int) -> int:
+def kill_step(
+    point: KillPoint, resumed_step: int, consumed: float, total: float, per_step: float, every_steps: int
+) -> int:
     """The global step at which `point` fires in a segment that resumed at `resumed_step` having consumed
     `consumed` of `total` samples, taking `per_step` samples a step. Saves happen at multiples of every_steps."""
     step = resumed_step + max(1, math.ceil((point.fraction * total - consumed) / per_step))
@@ -149,11 +151,20 @@ class VerifyReport:
 class Verifier:
     """Runs the two versions of a job through Ray's job API and compares them."""
 
-    def __init__(self, spec: JobSpec, target, working_dir: Path | None, log: TextIO,
-                 progress: Callable[[str], None], stamp: str | None = None):
+    def __init__(
+        self,
+        spec: JobSpec,
+        target,
+        working_dir: Path | None,
+        log: TextIO,
+        progress: Callable[[str], None],
+        stamp: str | None = None,
+    ):
         if spec.checkpoint.every_steps is None:
-            raise SpecError("verify-resume places kills around checkpoints by step: set checkpoint.every_steps "
-                            "(e.g. --set checkpoint.every_steps=20)")
+            raise SpecError(
+                "verify-resume places kills around checkpoints by step: set checkpoint.every_steps "
+                "(e.g. --set checkpoint.every_steps=20)"
+            )
         self.spec = spec
         self.target = target
         self.working_dir = working_dir
@@ -182,8 +193,15 @@ class Verifier:
                     break
             resumed = self._latest_step(kill_suffix)
             consumed = _samples(self._history(self.spec.run_name(kill_suffix)), resumed) if resumed else 0
-            plan = [Kill(kill_step(p, resumed, consumed, total, per_rank_step * count, self.spec.checkpoint.every_steps),
-                         0 if p.notice else p.index % count, p.during_save, p.notice) for p in mine]
+            plan = [
+                Kill(
+                    kill_step(p, resumed, consumed, total, per_rank_step * count, self.spec.checkpoint.every_steps),
+                    0 if p.notice else p.index % count,
+                    p.during_save,
+                    p.notice,
+                )
+                for p in mine
+            ]
             expected_end = resumed + math.ceil((total - consumed) / (per_rank_step * count))
             _check_plan(plan, resumed, expected_end)
             plan_text += [str(k) for k in plan]
@@ -202,38 +220,51 @@ class Verifier:
         return self._compare(baseline, interrupted, kills, notices, workers)
 
     # -- one submission
-    def _segment(self, suffix: str, workers: int, plan: list[Kill], max_failures: int,
-                 expect_failure: bool = False) -> RunReport:
+    def _segment(
+        self, suffix: str, workers: int, plan: list[Kill], max_failures: int, expect_failure: bool = False
+    ) -> RunReport:
         env = {**self.spec.runtime_env.env_vars, AUDIT_VARIABLE: "1"}
         if plan:
             env[KILL_AT_VARIABLE] = format_plan(plan)
-        spec = self.spec.model_copy(update={
-            "workers": self.spec.workers.model_copy(update={"min": workers, "max": workers}),
-            "failure": self.spec.failure.model_copy(update={"max_failures": max_failures}),
-            "runtime_env": self.spec.runtime_env.model_copy(update={"env_vars": env}),
-        })
+        spec = self.spec.model_copy(
+            update={
+                "workers": self.spec.workers.model_copy(update={"min": workers, "max": workers}),
+                "failure": self.spec.failure.model_copy(update={"max_failures": max_failures}),
+                "runtime_env": self.spec.runtime_env.model_copy(update={"env_vars": env}),
+            }
+        )
         what = f"{workers} workers" + (f", kills at {format_plan(plan)}" if plan else ", uninterrupted")
         self.progress(f"run {spec.run_name(suffix)}: {what}")
         started = time.monotonic()
-        submitted = submit.submit(spec, self.target, suffix=suffix, working_dir=self.working_dir,
-                                  check_bucket=False)
+        submitted = submit.submit(spec, self.target, suffix=suffix, working_dir=self.working_dir, check_bucket=False)
         self.log.write(f"\n===== {submitted.job_id}: {what}\n")
         status = submit.follow(self.target, submitted.job_id, out=self.log)
         self.log.flush()
         seconds = round(time.monotonic() - started, 1)
         if status != ("FAILED" if expect_failure else "SUCCEEDED"):
-            raise VerifyFailed(f"job {submitted.job_id} ended {status}, expected "
-                               f"{'FAILED (a worker-count switch)' if expect_failure else 'SUCCEEDED'}; "
-                               f"see {self.log.name}")
+            raise VerifyFailed(
+                f"job {submitted.job_id} ended {status}, expected "
+                f"{'FAILED (a worker-count switch)' if expect_failure else 'SUCCEEDED'}; "
+                f"see {self.log.name}"
+            )
         self.progress(f"run {spec.run_name(suffix)}: {status.lower()} after {seconds} s")
         history = self._history(spec.run_name(suffix))
         check = check_exactly_once(history)
         summary = read_summary(spec, spec.run_name(suffix)) or {}
         ends = sum(1 for p in summary.get("placements", []) if p.get("ended_by") == "preemption")
-        return RunReport(run=spec.run_name(suffix), status=status, final_step=history.final_step,
-                         workers=[workers], restarts=max(0, len(history.attempts) - 1), kill_plan=[],
-                         epoch_losses=history.epoch_losses(), samples_exactly_once=check.ok,
-                         problems=check.problems, seconds=seconds, just_in_time_ends=ends)
+        return RunReport(
+            run=spec.run_name(suffix),
+            status=status,
+            final_step=history.final_step,
+            workers=[workers],
+            restarts=max(0, len(history.attempts) - 1),
+            kill_plan=[],
+            epoch_losses=history.epoch_losses(),
+            samples_exactly_once=check.ok,
+            problems=check.problems,
+            seconds=seconds,
+            just_in_time_ends=ends,
+        )
 
     # -- storage
     def _store(self, run_name: str) -> CheckpointStore:
@@ -254,8 +285,9 @@ class Verifier:
         return len(store.fs.glob(f"{store.root}/chaos/{kind}-*"))
 
     # -- comparison
-    def _compare(self, baseline: RunReport, interrupted: RunReport, kills: int, notices: int,
-                 workers: list[int]) -> VerifyReport:
+    def _compare(
+        self, baseline: RunReport, interrupted: RunReport, kills: int, notices: int, workers: list[int]
+    ) -> VerifyReport:
         import torch
 
         base_store, kill_store = self._store(baseline.run), self._store(interrupted.run)
@@ -264,8 +296,9 @@ class Verifier:
         a = base_store.read_tensors(base_latest.step) if base_latest else {}
         b = kill_store.read_tensors(kill_latest.step) if kill_latest else {}
         common = [k for k in a if k in b and a[k].shape == b[k].shape]
-        identical = bool(a) and a.keys() == b.keys() and len(common) == len(a) and \
-            all(torch.equal(a[k], b[k]) for k in common)
+        identical = (
+            bool(a) and a.keys() == b.keys() and len(common) == len(a) and all(torch.equal(a[k], b[k]) for k in common)
+        )
         diffs = [(a[k].double() - b[k].double()).abs().max().item() for k in common if a[k].numel()]
         max_abs_diff = max(diffs, default=float("inf"))
         fired = self._fired(interrupted.run, "kill")
@@ -275,14 +308,18 @@ class Verifier:
         if notices_fired != notices:
             problems.append(f"{notices_fired} of {notices} planned reclaim notices fired")
         elif interrupted.just_in_time_ends < notices:
-            problems.append(f"{notices} reclaim notices fired but {interrupted.just_in_time_ends} placements ended at "
-                            "a just-in-time checkpoint (is checkpoint.just_in_time off?)")
+            problems.append(
+                f"{notices} reclaim notices fired but {interrupted.just_in_time_ends} placements ended at "
+                "a just-in-time checkpoint (is checkpoint.just_in_time off?)"
+            )
         fixed = len(set(workers)) == 1
         divergence = first_divergence(self._history(baseline.run), self._history(interrupted.run)) if fixed else None
         if fixed and not identical:
             changed = [k for k in common if not torch.equal(a[k], b[k])]
-            problems.append(f"final state differs from the uninterrupted run's in {len(changed) or 'all'} "
-                            f"tensors (e.g. {', '.join(changed[:3])}), max |diff| {max_abs_diff:.3g}")
+            problems.append(
+                f"final state differs from the uninterrupted run's in {len(changed) or 'all'} "
+                f"tensors (e.g. {', '.join(changed[:3])}), max |diff| {max_abs_diff:.3g}"
+            )
         if divergence is not None:
             problems.append(f"the loss first left the baseline's at {divergence}")
         diff, within = _loss_gap(baseline.epoch_losses, interrupted.epoch_losses)
@@ -292,27 +329,49 @@ class Verifier:
             problems += [f"{report.run}: {p}" for p in report.problems]
         exactly_once = baseline.samples_exactly_once and interrupted.samples_exactly_once
         return VerifyReport(
-            identical=identical, max_abs_diff=max_abs_diff, samples_exactly_once=exactly_once, kills=kills,
-            kills_fired=fired, notices=notices, notices_fired=notices_fired, workers=list(workers), loss_within_tolerance=within,
-            loss_tolerance=f"|loss - baseline| <= {LOSS_REL_TOLERANCE} * |baseline| + {LOSS_ABS_TOLERANCE} "
-                           "per epoch",
-            max_epoch_loss_diff=diff, passed=not problems, problems=problems, baseline=baseline,
-            interrupted=interrupted, log=self.log.name, tensors_compared=len(common), first_loss_divergence=divergence,
-            criteria=("bit-identical final model and optimizer, every sample once per epoch" if fixed else
-                      "every sample once per epoch, per-epoch loss within tolerance"),
+            identical=identical,
+            max_abs_diff=max_abs_diff,
+            samples_exactly_once=exactly_once,
+            kills=kills,
+            kills_fired=fired,
+            notices=notices,
+            notices_fired=notices_fired,
+            workers=list(workers),
+            loss_within_tolerance=within,
+            loss_tolerance=f"|loss - baseline| <= {LOSS_REL_TOLERANCE} * |baseline| + {LOSS_ABS_TOLERANCE} per epoch",
+            max_epoch_loss_diff=diff,
+            passed=not problems,
+            problems=problems,
+            baseline=baseline,
+            interrupted=interrupted,
+            log=self.log.name,
+            tensors_compared=len(common),
+            first_loss_divergence=divergence,
+            criteria=(
+                "bit-identical final model and optimizer, every sample once per epoch"
+                if fixed
+                else "every sample once per epoch, per-epoch loss within tolerance"
+            ),
         )
 
 
 def _samples(history: History, up_to_step: int) -> int:
-    return sum(len(ix) for s, r in history.steps.items() if s <= up_to_step
-               for batches in r.batches.values() for _, ix in batches)
+    return sum(
+        len(ix)
+        for s, r in history.steps.items()
+        if s <= up_to_step
+        for batches in r.batches.values()
+        for _, ix in batches
+    )
 
 
 def _check_plan(plan: list[Kill], resumed: int, end: int) -> None:
     steps = [k.step for k in plan]
     if steps != sorted(set(steps)) or (steps and (steps[0] <= resumed or steps[-1] >= end)):
-        raise UserError(f"the job is too short for these kills (planned at steps {steps} after a resume at "
-                        f"{resumed}, the run ends near step {end}); train longer (e.g. more epochs) or use fewer --kills")
+        raise UserError(
+            f"the job is too short for these kills (planned at steps {steps} after a resume at "
+            f"{resumed}, the run ends near step {end}); train longer (e.g. more epochs) or use fewer --kills"
+        )
 
 
 def _loss_gap(base: dict[int, float], other: dict[int, float]) -> tuple[float, bool]:

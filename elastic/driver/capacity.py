@@ -45,9 +45,15 @@ def observe_nodes() -> list[NodeView]:
         if not node.get("Alive"):
             continue
         node_id = node["NodeID"]
-        views.append(NodeView(node_id=node_id, labels=dict(node.get("Labels") or {}),
-                              available=dict(available.get(node_id, {})), draining=node_id in draining,
-                              total=dict(node.get("Resources") or {})))
+        views.append(
+            NodeView(
+                node_id=node_id,
+                labels=dict(node.get("Labels") or {}),
+                available=dict(available.get(node_id, {})),
+                draining=node_id in draining,
+                total=dict(node.get("Resources") or {}),
+            )
+        )
     return views
 
 
@@ -75,9 +81,13 @@ def log_decision(decision: Decision) -> None:
     logger.info("placement: %s: %s", decision.action, decision.reason)
 
 
-def wait_for_spot(workers: WorkersSpec, observe: Callable[[], list[NodeView]] = observe_nodes,
-                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                  poll_seconds: float = DEFAULT_POLL_SECONDS) -> Decision:
+def wait_for_spot(
+    workers: WorkersSpec,
+    observe: Callable[[], list[NodeView]] = observe_nodes,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    poll_seconds: float = DEFAULT_POLL_SECONDS,
+) -> Decision:
     """Poll until decide_start says spot or on-demand; log the first wait and the outcome."""
     started = clock()
     announced = False
@@ -143,15 +153,26 @@ class SwapWatcher(_PollingThread):
         elif decision.action == "stay" and self.requested and self.control.ended(self.placement_id) is None:
             self.control.cancel_request()
             self.requested = False
-            log_decision(Decision("stay", f"spot capacity went away before the checkpoint ({decision.reason}); "
-                                          "request withdrawn", decision.spot_slots))
+            log_decision(
+                Decision(
+                    "stay",
+                    f"spot capacity went away before the checkpoint ({decision.reason}); request withdrawn",
+                    decision.spot_slots,
+                )
+            )
         return decision
 
 
-def wait_for_workers(workers: WorkersSpec, market: str, observe: Callable[[], list[NodeView]] = observe_nodes,
-                     sleep: Callable[[float], None] = time.sleep, poll_seconds: float = 0.5,
-                     announce_every: int = 60, on_wait: Callable[[Decision], None] = lambda d: None,
-                     released: dict[str, int] | None = None) -> Decision:
+def wait_for_workers(
+    workers: WorkersSpec,
+    market: str,
+    observe: Callable[[], list[NodeView]] = observe_nodes,
+    sleep: Callable[[float], None] = time.sleep,
+    poll_seconds: float = 0.5,
+    announce_every: int = 60,
+    on_wait: Callable[[Decision], None] = lambda d: None,
+    released: dict[str, int] | None = None,
+) -> Decision:
     """Poll until decide_workers says start. Polls briefly: right after a placement ends its workers' resources
     are being released, and every second spent here is a second not training. Logs the wait now and then.
     `released`: the workers of the placement that just ended, per node (their slots count as free)."""
@@ -193,8 +214,7 @@ class GrowWatcher(_PollingThread):
     _thread: threading.Thread | None = None
 
     def poll_once(self) -> Decision:
-        decision = decide_grow(self.workers, self.observe(), self.market,
-                               self.control.world_size(self.placement_id))
+        decision = decide_grow(self.workers, self.observe(), self.market, self.control.world_size(self.placement_id))
         now = self.clock()
         if decision.action == "grow":
             self._since = now if self._since is None else self._since
@@ -207,6 +227,11 @@ class GrowWatcher(_PollingThread):
             if self.requested and self.control.ended(self.placement_id) is None:
                 self.control.cancel_request()
                 self.requested = False
-                log_decision(Decision("stay", f"capacity went away before the checkpoint ({decision.reason}); "
-                                              "request withdrawn", decision.spot_slots))
+                log_decision(
+                    Decision(
+                        "stay",
+                        f"capacity went away before the checkpoint ({decision.reason}); request withdrawn",
+                        decision.spot_slots,
+                    )
+                )
         return decision

@@ -43,8 +43,13 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
     # seconds before the deadline must be seen finished before the deadline passes, and every fraction of a
     # second until it is seen is a second the next placement waits for the workers' slots.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
-    logger.info("run %s: %s workers on %s nodes, checkpoints in %s", run_name,
-                f"{workers.min}" + (f"..{workers.max_workers}" if workers.elastic else ""), workers.market, run_uri)
+    logger.info(
+        "run %s: %s workers on %s nodes, checkpoints in %s",
+        run_name,
+        f"{workers.min}" + (f"..{workers.max_workers}" if workers.elastic else ""),
+        workers.market,
+        run_uri,
+    )
     started = time.monotonic()
     error: str | None = None
     metrics: dict = {}
@@ -73,8 +78,7 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
     return summary
 
 
-def fit_run(spec: JobSpec, run_name: str, run_uri: str, placements: list[dict],
-            sharing: TrialSharing | None = None):
+def fit_run(spec: JobSpec, run_name: str, run_uri: str, placements: list[dict], sharing: TrialSharing | None = None):
     """Run to the end: the driver's sequence of placements (driver.placements). A sweep trial (`sharing`) is one
     fit() unless spot-first: Tune already schedules trials by capacity, and a trial's just-in-time checkpoint
     then waits for Ray Train's restart."""

@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 class PlacementExecutor:
     """One run's placements: `run()` until one finishes the run; returns its fit() result."""
 
-    def __init__(self, spec: JobSpec, run_name: str, run_uri: str, placements: list[dict],
-                 sharing: TrialSharing | None = None):
+    def __init__(
+        self, spec: JobSpec, run_name: str, run_uri: str, placements: list[dict], sharing: TrialSharing | None = None
+    ):
         self.spec, self.run_name, self.placements, self.sharing = spec, run_name, placements, sharing
         self.workers = spec.workers
         self.loop = decisions.PlacementLoop(spec)
@@ -63,8 +64,9 @@ class PlacementExecutor:
             while True:
                 started = self._start_next(decision)
                 current, record, fitting = started.placement, started.record, started.fitting
-                self.control.set_status("running", f"{current.workers} worker(s) on {current.market} nodes "
-                                                   f"({current.reason})")
+                self.control.set_status(
+                    "running", f"{current.workers} worker(s) on {current.market} nodes ({current.reason})"
+                )
                 if self.ending is not None:
                     self.ending.finish_quietly()
                     self.ending = None
@@ -83,8 +85,10 @@ class PlacementExecutor:
                     retryable = controller_failed(fitting.error)
                     if retryable:
                         record["ended_by"] = "controller error"
-                    decision = self._decide(decisions.ControllerFailed(
-                        type(fitting.error).__name__, _last_line(fitting.error), retryable), prefix="")
+                    decision = self._decide(
+                        decisions.ControllerFailed(type(fitting.error).__name__, _last_line(fitting.error), retryable),
+                        prefix="",
+                    )
                     if isinstance(decision, decisions.Fail):
                         raise fitting.error
                     self.released = None
@@ -92,8 +96,9 @@ class PlacementExecutor:
                 self.control.clear(keep_ended=self.ahead is not None)
                 self.ending, self.released = fitting, dict(Counter(ended.nodes))
                 record.update(ended_at_step=ended.step, ended_by=ended.kind.value)
-                decision = self._decide(decisions.PlacementEnded(ended.step, ended.kind, ended.nodes),
-                                        prefix=f"placement {current.id}: ")
+                decision = self._decide(
+                    decisions.PlacementEnded(ended.step, ended.kind, ended.nodes), prefix=f"placement {current.id}: "
+                )
                 if isinstance(decision, decisions.Fail):
                     raise RuntimeError(decision.reason)
                 if isinstance(decision, decisions.Start) and self.ahead is not None:
@@ -124,8 +129,12 @@ class PlacementExecutor:
             chosen = capacity.wait_for_spot(self.workers, poll_seconds=self.poll)
             decision = self.loop.step(decisions.SpotDecided(chosen.action, chosen.reason))  # wait_for_spot logged it
         assert isinstance(decision, decisions.StartsPlacement), decision
-        sized = capacity.wait_for_workers(self.workers, decision.market, released=self.released,
-                                          on_wait=lambda d: self.control.set_status("waiting", d.reason))
+        sized = capacity.wait_for_workers(
+            self.workers,
+            decision.market,
+            released=self.released,
+            on_wait=lambda d: self.control.set_status("waiting", d.reason),
+        )
         return self._start(decision, sized)
 
     def _watch(self, started: _Started) -> Acknowledgement | None:
@@ -141,8 +150,10 @@ class PlacementExecutor:
             notice = self.control.ending_soon(current.id)
             if notice is None:
                 return
-            decision = self._decide(decisions.EndingSoon(notice.eta, notice.time, notice.nodes, time.time()),
-                                    prefix=f"placement {current.id}: ")
+            decision = self._decide(
+                decisions.EndingSoon(notice.eta, notice.time, notice.nodes, time.time()),
+                prefix=f"placement {current.id}: ",
+            )
             if isinstance(decision, decisions.StartAhead):
                 self.ahead = self._start_ahead(decision, current)
 
@@ -160,26 +171,43 @@ class PlacementExecutor:
             return None  # too few slots even with the ending ones: sized after the end, as usual
         return self._start(decision, sized, follows=current.id)
 
-    def _start(self, decision: decisions.StartsPlacement, sized: policy.Decision,
-               follows: str | None = None) -> _Started:
+    def _start(
+        self, decision: decisions.StartsPlacement, sized: policy.Decision, follows: str | None = None
+    ) -> _Started:
         workers = self.workers
-        placement = Placement(id=new_placement_id(), market=decision.market, swappable=decision.swappable,
-                              reason=decision.placement_reason, workers=sized.spot_slots,
-                              resizable=workers.elastic and sized.spot_slots < workers.max_workers,
-                              avoid_nodes=capacity.draining_nodes(), follows=follows)
+        placement = Placement(
+            id=new_placement_id(),
+            market=decision.market,
+            swappable=decision.swappable,
+            reason=decision.placement_reason,
+            workers=sized.spot_slots,
+            resizable=workers.elastic and sized.spot_slots < workers.max_workers,
+            avoid_nodes=capacity.draining_nodes(),
+            follows=follows,
+        )
         if self.loop.spot_first and not placement.swappable:
             capacity.hint_spot_demand(workers, on=False)  # on spot now, or staying on on-demand
-        record = {"market": placement.market, "workers": placement.workers, "reason": placement.reason,
-                  "started": time.time()}
+        record = {
+            "market": placement.market,
+            "workers": placement.workers,
+            "reason": placement.reason,
+            "started": time.time(),
+        }
         self.placements.append(record)
-        logger.info("placement %s: %s worker(s) on %s nodes%s", placement.id, placement.workers, placement.market,
-                    f", started ahead of the end of placement {follows}" if follows else "")
+        logger.info(
+            "placement %s: %s worker(s) on %s nodes%s",
+            placement.id,
+            placement.workers,
+            placement.market,
+            f", started ahead of the end of placement {follows}" if follows else "",
+        )
         watcher = None
         if placement.swappable:
             watcher = capacity.SwapWatcher(workers, self.control, placement.id, poll_seconds=self.poll).start()
         elif placement.resizable:
-            watcher = capacity.GrowWatcher(workers, self.control, placement.id, placement.market,
-                                           poll_seconds=self.poll).start()
+            watcher = capacity.GrowWatcher(
+                workers, self.control, placement.id, placement.market, poll_seconds=self.poll
+            ).start()
         trainer = build_trainer(self.spec, self.run_name, placement, self.sharing)
         return _Started(placement, record, watcher, _Fitting(trainer))
 
@@ -223,8 +251,9 @@ class _Fitting:
         except BaseException as err:  # handed to the driver loop, which retries or re-raises it
             self.error = err
 
-    def wait_for_end(self, acknowledged: Callable[[], Acknowledgement | None],
-                     on_poll: Callable[[], None] = lambda: None) -> Acknowledgement | None:
+    def wait_for_end(
+        self, acknowledged: Callable[[], Acknowledgement | None], on_poll: Callable[[], None] = lambda: None
+    ) -> Acknowledgement | None:
         """Until fit() returns (None) or the sessions acknowledge the placement's end (the acknowledgement).
         `on_poll` runs between polls (the driver starts the next placement ahead from there)."""
         while self._thread.is_alive():
@@ -243,8 +272,11 @@ class _Fitting:
         resumes from it, so a failure in its shutdown is only logged."""
         self._thread.join()
         if self.error is not None:
-            logger.info("the ended placement's shutdown failed (%s: %s); the run goes on from its checkpoint",
-                        type(self.error).__name__, str(self.error).strip()[:200])
+            logger.info(
+                "the ended placement's shutdown failed (%s: %s); the run goes on from its checkpoint",
+                type(self.error).__name__,
+                str(self.error).strip()[:200],
+            )
 
 
 def _last_line(err: BaseException) -> str:
@@ -262,5 +294,6 @@ def controller_failed(err: BaseException) -> bool:
     # while the ending placement's controller rewrote it (pyarrow reads an S3 object with a HEAD and then ranged
     # GETs, so a concurrent rewrite tears the read: "Unterminated string"). Started again, it reads the settled
     # snapshot. Ray keeps only the message of a constructor's error, hence the name test.
-    return isinstance(err, ActorDiedError) and err.actor_init_failed \
-        and "CheckpointManagerInitializationError" in str(err)
+    return (
+        isinstance(err, ActorDiedError) and err.actor_init_failed and "CheckpointManagerInitializationError" in str(err)
+    )

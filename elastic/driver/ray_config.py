@@ -27,8 +27,9 @@ NO_RUNNING_RESIZE_SECONDS = 10**9
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it (ray.util.placement_group.NODE_ID_LABEL_KEY)
 
 
-def scaling_config(workers: WorkersSpec, market: str | None = None, count: int | None = None,
-                   avoid_nodes: tuple[str, ...] = ()):
+def scaling_config(
+    workers: WorkersSpec, market: str | None = None, count: int | None = None, avoid_nodes: tuple[str, ...] = ()
+):
     """`market` overrides workers.market (spot-first runs each placement on spot or on-demand); `count` caps
     an elastic run at the workers the driver found room for (Ray may still start fewer, down to min, after a
     failure inside the placement)."""
@@ -60,15 +61,19 @@ def torch_backend(workers: WorkersSpec, logical_gpus: bool) -> str:
     return "nccl" if workers.gpus > 0 and not logical_gpus else "gloo"
 
 
-def build_trainer(spec: JobSpec, run_name: str, placement: Placement | None = None,
-                  sharing: TrialSharing | None = None):
+def build_trainer(
+    spec: JobSpec, run_name: str, placement: Placement | None = None, sharing: TrialSharing | None = None
+):
     """`placement` (from the driver loop) pins this fit() to a market and a size and tells the sessions how to
     end it; `sharing` makes it a sweep trial on a share of a GPU."""
     filesystem, storage_path = pyarrow_filesystem(spec.checkpoint.uri)
     logical_gpus = os.environ.get("ELASTIC_LOGICAL_GPUS") == "1"
     workers, function, callbacks = spec.workers, worker_main, []
-    payload = {"spec": spec.model_dump(mode="json"), "run_name": run_name,
-               "placement": placement.to_dict() if placement else None}
+    payload = {
+        "spec": spec.model_dump(mode="json"),
+        "run_name": run_name,
+        "placement": placement.to_dict() if placement else None,
+    }
     if sharing is not None:
         workers, function = workers.model_copy(update={"gpus": sharing.share}), trial_worker_main
         payload["sharing"] = asdict(sharing)
@@ -77,8 +82,12 @@ def build_trainer(spec: JobSpec, run_name: str, placement: Placement | None = No
             from ray.tune.integration.ray_train import TuneReportCallback
 
             callbacks = [TuneReportCallback()]
-    scaling = scaling_config(workers, placement.market if placement else None,
-                             placement.workers if placement else None, placement.avoid_nodes if placement else ())
+    scaling = scaling_config(
+        workers,
+        placement.market if placement else None,
+        placement.workers if placement else None,
+        placement.avoid_nodes if placement else (),
+    )
     if sharing is not None:
         scaling = dataclasses.replace(scaling, placement_strategy=sharing.strategy)
     return TorchTrainer(
@@ -97,4 +106,3 @@ def build_trainer(spec: JobSpec, run_name: str, placement: Placement | None = No
             checkpoint_config=CheckpointConfig(num_to_keep=None),
         ),
     )
-

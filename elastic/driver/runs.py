@@ -17,7 +17,6 @@ def run_directory(spec: JobSpec, run_name: str) -> str:
     return parse_uri(spec.checkpoint.uri).child(run_name).uri
 
 
-
 @dataclass(frozen=True)
 class RunSummary:
     run_name: str
@@ -52,5 +51,3 @@ def checkpoint_uri(spec: JobSpec, checkpoint) -> str | None:
         return None
     location = parse_uri(spec.checkpoint.uri)
     return f"{location.scheme}://{checkpoint.path}" if location.is_object_store else checkpoint.path
-
-

@@ -58,8 +58,10 @@ def resolve_target(address: str | None) -> Target:
     state = local.running_state()
     if state is not None:
         return Target(state.dashboard_url, state)
-    raise ClusterError("no cluster to talk to; run `elastic local up`, or pass --address http://HEAD:8265 "
-                       "(for a cloud cluster, tunnel it with `ray dashboard CLUSTER.yaml`)")
+    raise ClusterError(
+        "no cluster to talk to; run `elastic local up`, or pass --address http://HEAD:8265 "
+        "(for a cloud cluster, tunnel it with `ray dashboard CLUSTER.yaml`)"
+    )
 
 
 def client(target: Target):
@@ -73,12 +75,15 @@ def client(target: Target):
         return JobSubmissionClient(target.address)
     except Exception as err:  # ConnectionError, auth errors, bad URLs: all mean "cannot use this address"
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ClusterError(f"cannot reach the Ray job API at {target.address} ({first[:160]}); "
-                           "check --address, the tunnel, and RAY_AUTH_MODE/token") from None
+        raise ClusterError(
+            f"cannot reach the Ray job API at {target.address} ({first[:160]}); "
+            "check --address, the tunnel, and RAY_AUTH_MODE/token"
+        ) from None
 
 
-def submit(spec: JobSpec, target: Target, suffix: str | None = None, working_dir: Path | None = None,
-           check_bucket: bool = True) -> Submitted:
+def submit(
+    spec: JobSpec, target: Target, suffix: str | None = None, working_dir: Path | None = None, check_bucket: bool = True
+) -> Submitted:
     working_dir = (working_dir or Path.cwd()).resolve()
     check_entrypoint(spec, working_dir)
     run_name = spec.run_name(suffix)
@@ -87,8 +92,10 @@ def submit(spec: JobSpec, target: Target, suffix: str | None = None, working_dir
     jobs = client(target)
     running = [j for j in _run_jobs(jobs, run_name) if j.status not in TERMINAL]
     if running:
-        raise UserError(f"run {run_name} is already running as job {running[0].submission_id}; "
-                        f"stop it with `elastic stop {run_name}` or submit with --suffix")
+        raise UserError(
+            f"run {run_name} is already running as job {running[0].submission_id}; "
+            f"stop it with `elastic stop {run_name}` or submit with --suffix"
+        )
     runtime_env: dict = {
         "working_dir": str(working_dir),
         "excludes": DEFAULT_EXCLUDES + list(spec.runtime_env.excludes),
@@ -150,14 +157,16 @@ def list_runs(target: Target) -> list[dict]:
         metadata = job.metadata or {}
         if RUN_METADATA_KEY not in metadata:
             continue
-        rows.append({
-            "run": metadata[RUN_METADATA_KEY],
-            "job_id": job.submission_id,
-            "status": str(job.status.value if hasattr(job.status, "value") else job.status),
-            "start_time": job.start_time,
-            "end_time": job.end_time,
-            "message": job.message,
-        })
+        rows.append(
+            {
+                "run": metadata[RUN_METADATA_KEY],
+                "job_id": job.submission_id,
+                "status": str(job.status.value if hasattr(job.status, "value") else job.status),
+                "start_time": job.start_time,
+                "end_time": job.end_time,
+                "message": job.message,
+            }
+        )
     return sorted(rows, key=lambda r: r["start_time"] or 0, reverse=True)
 
 

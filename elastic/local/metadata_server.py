@@ -101,8 +101,12 @@ class MetadataServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> MetadataServer:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"metadata-{self.provider}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"metadata-{self.provider}",
+            daemon=True,
+        )
         self._thread.start()
         return self
 
@@ -135,11 +139,19 @@ class MetadataServer:
         with self._changed:
             self.reclaim_at = time.time() + notice_seconds
             if self.provider == "azure":
-                self.events.append({
-                    "EventId": str(uuid.uuid4()).upper(), "EventType": "Preempt", "ResourceType": "VirtualMachine",
-                    "Resources": [self.vm_name], "EventStatus": "Scheduled",
-                    "NotBefore": email.utils.formatdate(self.reclaim_at, usegmt=True),
-                    "Description": "", "EventSource": "Platform", "DurationInSeconds": -1})
+                self.events.append(
+                    {
+                        "EventId": str(uuid.uuid4()).upper(),
+                        "EventType": "Preempt",
+                        "ResourceType": "VirtualMachine",
+                        "Resources": [self.vm_name],
+                        "EventStatus": "Scheduled",
+                        "NotBefore": email.utils.formatdate(self.reclaim_at, usegmt=True),
+                        "Description": "",
+                        "EventSource": "Platform",
+                        "DurationInSeconds": -1,
+                    }
+                )
                 self.incarnation += 1
             self.action = action
             self._changed.notify_all()
@@ -188,8 +200,13 @@ class MetadataServer:
 
     def state(self) -> dict:
         with self._lock:
-            return {"provider": self.provider, "requests": dict(self.requests), "acks": list(self.acks),
-                    "reclaim_at": self.reclaim_at, "incarnation": self.incarnation}
+            return {
+                "provider": self.provider,
+                "requests": dict(self.requests),
+                "acks": list(self.acks),
+                "reclaim_at": self.reclaim_at,
+                "incarnation": self.incarnation,
+            }
 
     # --- provider protocols (called by the handler, lock not held) ----------------------------------------
     def _take_fault(self, path: str) -> int | None:
@@ -224,7 +241,11 @@ class MetadataServer:
                 return 200, {"Content-Type": "text/plain"}, self._malformed
             if self.reclaim_at is None:
                 return 404, {}, ""
-            return 200, {"Content-Type": "text/plain"}, json.dumps({"action": self.action, "time": _iso(self.reclaim_at)})
+            return (
+                200,
+                {"Content-Type": "text/plain"},
+                json.dumps({"action": self.action, "time": _iso(self.reclaim_at)}),
+            )
         if path == AWS_REBALANCE_PATH:
             if self.rebalance_at is None:
                 return 404, {}, ""
@@ -285,7 +306,7 @@ class MetadataServer:
         return 200, {"Content-Type": "application/json"}, json.dumps(doc)
 
     def _admin(self, method: str, path: str, query) -> tuple[int, dict, str]:
-        verb = path[len(ADMIN_PREFIX):]
+        verb = path[len(ADMIN_PREFIX) :]
         if method == "GET" and verb == "state":
             return 200, {"Content-Type": "application/json"}, json.dumps(self.state())
         if method != "POST":
@@ -374,8 +395,10 @@ def post_admin(url: str, verb: str, timeout: float = 5.0, **params) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m elastic.local.metadata_server",
-                                     description="A local cloud metadata server that can announce spot reclaims.")
+    parser = argparse.ArgumentParser(
+        prog="python -m elastic.local.metadata_server",
+        description="A local cloud metadata server that can announce spot reclaims.",
+    )
     parser.add_argument("--provider", choices=PROVIDERS, required=True)
     parser.add_argument("--port", type=int, default=0, help="0: any free port (see --port-file)")
     parser.add_argument("--port-file", type=Path, help="write the bound port here once listening")
@@ -387,8 +410,13 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(str(server.port))
         os.replace(tmp, args.port_file)  # readers never see a partial file
     logs.configure()
-    log.info("metadata server (%s) on %s; admin: POST %s%sreclaim?notice=S", args.provider, server.url, server.url,
-             ADMIN_PREFIX)
+    log.info(
+        "metadata server (%s) on %s; admin: POST %s%sreclaim?notice=S",
+        args.provider,
+        server.url,
+        server.url,
+        ADMIN_PREFIX,
+    )
     try:
         server._httpd.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:

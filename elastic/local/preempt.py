@@ -47,9 +47,15 @@ class PreemptReport:
         return {"reclaims": [asdict(r) for r in self.reclaims]}
 
 
-def select_nodes(state: local.LocalState, node: str | None = None, pick_random: bool = False,
-                 market: str | None = None, count: int = 1, rng: random.Random | None = None,
-                 busy: set[str] | None = None) -> list[dict]:
+def select_nodes(
+    state: local.LocalState,
+    node: str | None = None,
+    pick_random: bool = False,
+    market: str | None = None,
+    count: int = 1,
+    rng: random.Random | None = None,
+    busy: set[str] | None = None,
+) -> list[dict]:
     """Worker nodes to reclaim: by name or node id (prefix), at random, or of a market, nodes running a
     training worker first (`busy`: their ids; default: asked of Ray's state API)."""
     workers = [n for n in state.nodes if n["role"] == WORKER_ROLE]
@@ -61,8 +67,10 @@ def select_nodes(state: local.LocalState, node: str | None = None, pick_random: 
         return chosen[:1]
     pool = [n for n in workers if market is None or n["market"] == market]
     if not pool:
-        raise ClusterError(f"no {market or 'worker'} node on the local stack to preempt; "
-                           f"add one with `elastic local add-node --market {market or 'spot'}`")
+        raise ClusterError(
+            f"no {market or 'worker'} node on the local stack to preempt; "
+            f"add one with `elastic local add-node --market {market or 'spot'}`"
+        )
     if count > len(pool):
         raise ClusterError(f"--count {count}: only {len(pool)} {market or 'worker'} node(s) on the local stack")
     if pick_random:
@@ -76,16 +84,23 @@ def _nodes_with_training_workers(state: local.LocalState) -> set[str]:
     try:
         from ray.util.state import list_actors  # ray only when a cluster is there to ask: the CLI starts fast
 
-        actors = list_actors(address=state.dashboard_url, filters=[("state", "=", "ALIVE")],
-                             raise_on_missing_output=False)
+        actors = list_actors(
+            address=state.dashboard_url, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
+        )
     except Exception:  # the state API is unavailable: fall back to the stack's order
         return set()
     return {a.node_id for a in actors if "RayTrainWorker" in (a.class_name or "")}
 
 
-def preempt(nodes: list[dict], notice: float | None, hard: bool = False, replace_after: float | None = None,
-            log: Callable[[str], None] = print, clock: Callable[[], float] = time.time,
-            sleep: Callable[[float], None] = time.sleep) -> PreemptReport:
+def preempt(
+    nodes: list[dict],
+    notice: float | None,
+    hard: bool = False,
+    replace_after: float | None = None,
+    log: Callable[[str], None] = print,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> PreemptReport:
     """Reclaim `nodes` of the running local stack at the same moment (correlated reclaims are the common case)."""
     state = local.running_state()
     if state is None:
@@ -106,8 +121,10 @@ def preempt(nodes: list[dict], notice: float | None, hard: bool = False, replace
         for reclaim in report.reclaims:
             reclaim.replacement = local.add_node(reclaim.market)
             reclaim.replaced_at = clock()
-            log(f"{reclaim.name}: replaced by {reclaim.replacement['name']} "
-                f"(node {reclaim.replacement['node_id'][:12]})")
+            log(
+                f"{reclaim.name}: replaced by {reclaim.replacement['name']} "
+                f"(node {reclaim.replacement['node_id'][:12]})"
+            )
     return report
 
 
@@ -117,8 +134,10 @@ def _announce(state: local.LocalState, node: dict, reclaim: Reclaim, notice: flo
     if url:
         post_admin(url, "reclaim", notice=f"{notice:g}")
         reclaim.path = "metadata"
-        log(f"{node['name']}: reclaim announced on its metadata endpoint, {notice:g} s notice "
-            "(its watcher drains the Ray node)")
+        log(
+            f"{node['name']}: reclaim announced on its metadata endpoint, {notice:g} s notice "
+            "(its watcher drains the Ray node)"
+        )
         return
     drain(state, node["node_id"], deadline_seconds=notice)
     reclaim.path = "drain"
@@ -129,13 +148,24 @@ def drain(state: local.LocalState, node_id: str, deadline_seconds: float) -> Non
     """Ray's own `ray drain-node` with reason PREEMPTION (what the watcher does from a cloud notice)."""
     ray_bin = local._binary("ray", "ray[default]")
     proc = subprocess.run(
-        [ray_bin, "drain-node", f"--address={state.ray_address}", f"--node-id={node_id}",
-         "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=elastic preempt (simulated spot reclaim)",
-         f"--deadline-remaining-seconds={max(0, int(deadline_seconds))}"],
-        env={**os.environ, **state.env()}, capture_output=True, text=True, timeout=60)
+        [
+            ray_bin,
+            "drain-node",
+            f"--address={state.ray_address}",
+            f"--node-id={node_id}",
+            "--reason=DRAIN_NODE_REASON_PREEMPTION",
+            "--reason-message=elastic preempt (simulated spot reclaim)",
+            f"--deadline-remaining-seconds={max(0, int(deadline_seconds))}",
+        ],
+        env={**os.environ, **state.env()},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if proc.returncode != 0:
-        raise ClusterError(f"ray drain-node failed for node {node_id[:12]}: "
-                           f"{(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+        raise ClusterError(
+            f"ray drain-node failed for node {node_id[:12]}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"
+        )
 
 
 def kill_node(name: str) -> int:

@@ -52,8 +52,12 @@ class Launched:
     @classmethod
     def from_dict(cls, data: dict) -> Launched:
         ticks = data.get("start_ticks")
-        return cls(pid=int(data["pid"]), create_time=float(data["create_time"]), role=str(data["role"]),
-                   start_ticks=None if ticks is None else int(ticks))
+        return cls(
+            pid=int(data["pid"]),
+            create_time=float(data["create_time"]),
+            role=str(data["role"]),
+            start_ticks=None if ticks is None else int(ticks),
+        )
 
     def process(self) -> psutil.Process | None:
         try:
@@ -82,8 +86,9 @@ def launch(args: list[str], role: str, marker: str, env: dict[str, str], log_pat
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    return Launched(pid=proc.pid, create_time=psutil.Process(proc.pid).create_time(), role=role,
-                    start_ticks=start_ticks(proc.pid))
+    return Launched(
+        pid=proc.pid, create_time=psutil.Process(proc.pid).create_time(), role=role, start_ticks=start_ticks(proc.pid)
+    )
 
 
 def find_marked(marker: str) -> list[psutil.Process]:

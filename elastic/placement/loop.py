@@ -220,33 +220,42 @@ class PlacementLoop:
 
     def _start(self, reason: str) -> Start | WaitForCapacity:
         if self.market is None:
-            return WaitForCapacity(reason="spot-first: spot if capacity for workers.min comes within "
-                                          "spot_wait_seconds, else on-demand")
-        return Start(reason=reason, market=self.market, placement_reason=reason,
-                     swappable=self.swappable(self.market))
+            return WaitForCapacity(
+                reason="spot-first: spot if capacity for workers.min comes within spot_wait_seconds, else on-demand"
+            )
+        return Start(reason=reason, market=self.market, placement_reason=reason, swappable=self.swappable(self.market))
 
     def _placement_ended(self, ended: PlacementEnded) -> Decision:
         if ended.kind is EndKind.PREEMPTION:
             self.preemptions += 1
             if over_budget(self.preemptions, self.max_preemptions):
-                return Fail(reason=f"preempted {self.preemptions} times, over failure.max_preemptions "
-                                   f"({self.max_preemptions}); raise it to keep going")
+                return Fail(
+                    reason=f"preempted {self.preemptions} times, over failure.max_preemptions "
+                    f"({self.max_preemptions}); raise it to keep going"
+                )
             self.market = market_after_reclaim(self.spot_first, self.market)
             why = f"resumed after a reclaim at step {ended.step}"
-            reason = (f"a node is being reclaimed; ended at the just-in-time checkpoint of step {ended.step} "
-                      f"(preemption {budget_text(self.preemptions, self.max_preemptions)}); resuming from it")
+            reason = (
+                f"a node is being reclaimed; ended at the just-in-time checkpoint of step {ended.step} "
+                f"(preemption {budget_text(self.preemptions, self.max_preemptions)}); resuming from it"
+            )
             if self.market is None:
                 return WaitForCapacity(reason=reason)
-            return Start(reason=reason, market=self.market, placement_reason=why,
-                         swappable=self.swappable(self.market))
+            return Start(reason=reason, market=self.market, placement_reason=why, swappable=self.swappable(self.market))
         if ended.kind is EndKind.SWAP:
             self.market = SPOT
-            return SwapToSpot(reason=f"on-demand workers ended at the checkpoint of step {ended.step}; resuming "
-                                     "from it on spot",
-                              market=SPOT, placement_reason=f"swapped from on-demand at step {ended.step}")
+            return SwapToSpot(
+                reason=f"on-demand workers ended at the checkpoint of step {ended.step}; resuming from it on spot",
+                market=SPOT,
+                placement_reason=f"swapped from on-demand at step {ended.step}",
+            )
         assert self.market is not None  # a grow ends a placement that was started on a market
-        return Grow(reason=f"ended at the checkpoint of step {ended.step} to grow", market=self.market,
-                    placement_reason=f"grown at step {ended.step}", swappable=self.swappable(self.market))
+        return Grow(
+            reason=f"ended at the checkpoint of step {ended.step} to grow",
+            market=self.market,
+            placement_reason=f"grown at step {ended.step}",
+            swappable=self.swappable(self.market),
+        )
 
     def _ending_soon(self, notice: EndingSoon) -> StartAhead | KeepRunning:
         # Spot-first chooses its market again after a reclaim: nothing to start ahead on.
@@ -254,20 +263,30 @@ class PlacementLoop:
             return KeepRunning(reason="spot-first chooses the market after the reclaim")
         if not start_ahead_due(notice.eta, notice.noticed_at, notice.now):
             return KeepRunning(reason=f"just-in-time checkpoint due in {notice.eta - notice.now:.0f} s")
-        return StartAhead(reason="a reclaim's just-in-time checkpoint is due: starting the next placement ahead",
-                          market=self.market, placement_reason="resumed after a reclaim",
-                          swappable=self.swappable(self.market), released=dict(Counter(notice.nodes)))
+        return StartAhead(
+            reason="a reclaim's just-in-time checkpoint is due: starting the next placement ahead",
+            market=self.market,
+            placement_reason="resumed after a reclaim",
+            swappable=self.swappable(self.market),
+            released=dict(Counter(notice.nodes)),
+        )
 
     def _controller_failed(self, failed: ControllerFailed) -> Retry | Fail:
         self.failures += 1
         if not failed.retryable:
-            return Fail(reason=f"the placement failed ({failed.error}: {failed.message}); not a controller error, "
-                               "not retried")
+            return Fail(
+                reason=f"the placement failed ({failed.error}: {failed.message}); not a controller error, not retried"
+            )
         if over_budget(self.failures, self.max_failures):
-            return Fail(reason=f"placement failed in Ray Train's controller ({failed.message}); "
-                               f"{self.failures} failures, over failure.max_failures ({self.max_failures})")
+            return Fail(
+                reason=f"placement failed in Ray Train's controller ({failed.message}); "
+                f"{self.failures} failures, over failure.max_failures ({self.max_failures})"
+            )
         assert self.market is not None  # a placement ran, so its market was chosen
-        return Retry(reason=f"placement failed in Ray Train's controller ({failed.message}); starting a new one "
-                            f"from the last checkpoint (failure {budget_text(self.failures, self.max_failures)})",
-                     market=self.market, placement_reason=f"restarted after a controller error ({failed.error})",
-                     swappable=self.swappable(self.market))
+        return Retry(
+            reason=f"placement failed in Ray Train's controller ({failed.message}); starting a new one "
+            f"from the last checkpoint (failure {budget_text(self.failures, self.max_failures)})",
+            market=self.market,
+            placement_reason=f"restarted after a controller error ({failed.error})",
+            swappable=self.swappable(self.market),
+        )

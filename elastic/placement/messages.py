@@ -37,8 +37,10 @@ class Message:
     """to_json / from_json for the frozen dataclasses below (tuples for lists, enums by value)."""
 
     def to_dict(self) -> dict:
-        return {k: (v.value if isinstance(v, Enum) else list(v) if isinstance(v, tuple) else v)
-                for k, v in asdict(self).items()}
+        return {
+            k: (v.value if isinstance(v, Enum) else list(v) if isinstance(v, tuple) else v)
+            for k, v in asdict(self).items()
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -142,8 +144,7 @@ class Acknowledgement(Message):
     def _build(cls, data: dict) -> Acknowledgement:
         # As the driver always read it: no kind is a swap, an unknown one (a session's "ended") a grow.
         kind = EndKind.parse(data["kind"], EndKind.GROW) if "kind" in data else EndKind.SWAP
-        return cls(**{**data, "step": int(data["step"]), "kind": kind,
-                      "nodes": tuple(data.get("nodes") or ())})
+        return cls(**{**data, "step": int(data["step"]), "kind": kind, "nodes": tuple(data.get("nodes") or ())})
 
 
 @dataclass(frozen=True)

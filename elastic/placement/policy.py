@@ -58,8 +58,9 @@ def worker_resources(workers: WorkersSpec) -> dict[str, float]:
     return resources
 
 
-def worker_slots(nodes: list[NodeView], workers: WorkersSpec, market: str,
-                 released: dict[str, int] | None = None) -> int:
+def worker_slots(
+    nodes: list[NodeView], workers: WorkersSpec, market: str, released: dict[str, int] | None = None
+) -> int:
     """How many more workers of this shape fit on the live worker nodes of `market`: right now, plus the
     slots that `released` workers (node id -> workers of a placement that is ending) are about to free.
     Capped at the node's total, so a slot already freed is not counted twice."""
@@ -86,11 +87,18 @@ def decide_start(workers: WorkersSpec, nodes: list[NodeView], waited_seconds: fl
     if slots >= workers.min:
         return Decision(SPOT, f"spot capacity for {workers.min} worker(s) is free ({slots} slot(s))", slots)
     if waited_seconds >= workers.spot_wait_seconds:
-        return Decision(ON_DEMAND, f"spot capacity was not granted within {workers.spot_wait_seconds:g} s "
-                                   f"({slots} of {workers.min} spot worker slot(s) free); falling back to on-demand",
-                        slots)
-    return Decision("wait", f"waiting for spot capacity: {slots} of {workers.min} spot worker slot(s) free "
-                            f"after {waited_seconds:.0f} of {workers.spot_wait_seconds:g} s", slots)
+        return Decision(
+            ON_DEMAND,
+            f"spot capacity was not granted within {workers.spot_wait_seconds:g} s "
+            f"({slots} of {workers.min} spot worker slot(s) free); falling back to on-demand",
+            slots,
+        )
+    return Decision(
+        "wait",
+        f"waiting for spot capacity: {slots} of {workers.min} spot worker slot(s) free "
+        f"after {waited_seconds:.0f} of {workers.spot_wait_seconds:g} s",
+        slots,
+    )
 
 
 def decide_swap(workers: WorkersSpec, nodes: list[NodeView]) -> Decision:
@@ -99,21 +107,30 @@ def decide_swap(workers: WorkersSpec, nodes: list[NodeView]) -> Decision:
     if not workers.swap_to_spot:
         return Decision("stay", "swap_to_spot is off", slots)
     if slots >= workers.min:
-        return Decision("swap", f"spot capacity for {workers.min} worker(s) is back ({slots} slot(s) free); "
-                                "swapping at the next checkpoint", slots)
+        return Decision(
+            "swap",
+            f"spot capacity for {workers.min} worker(s) is back ({slots} slot(s) free); "
+            "swapping at the next checkpoint",
+            slots,
+        )
     return Decision("stay", f"{slots} of {workers.min} spot worker slot(s) free", slots)
 
 
-def decide_workers(workers: WorkersSpec, nodes: list[NodeView], market: str,
-                   released: dict[str, int] | None = None) -> Decision:
+def decide_workers(
+    workers: WorkersSpec, nodes: list[NodeView], market: str, released: dict[str, int] | None = None
+) -> Decision:
     """How many workers a new placement on `market` starts with: as many as fit, up to max (action start), or
     wait while fewer than min fit (a reclaimed node not yet replaced). `released`: see worker_slots."""
     slots = worker_slots(nodes, workers, market, released)
     if slots >= workers.min:
         count = min(slots, workers.max_workers)
         return Decision("start", f"{count} worker(s) on {market} nodes ({slots} slot(s) free)", count)
-    return Decision("wait", f"waiting for capacity: {slots} of {workers.min} worker slot(s) free on {market} nodes "
-                            "(a reclaimed node not yet replaced?)", slots)
+    return Decision(
+        "wait",
+        f"waiting for capacity: {slots} of {workers.min} worker slot(s) free on {market} nodes "
+        "(a reclaimed node not yet replaced?)",
+        slots,
+    )
 
 
 def decide_grow(workers: WorkersSpec, nodes: list[NodeView], market: str, running: int | None) -> Decision:
@@ -125,8 +142,10 @@ def decide_grow(workers: WorkersSpec, nodes: list[NodeView], market: str, runnin
         return Decision("stay", f"at max ({running} workers)", slots)
     if slots >= 1:
         target = min(workers.max_workers, running + slots)
-        return Decision("grow", f"capacity for {target - running} more worker(s) on {market} nodes; growing "
-                                f"{running} -> {target} at the next checkpoint", slots)
+        return Decision(
+            "grow",
+            f"capacity for {target - running} more worker(s) on {market} nodes; growing "
+            f"{running} -> {target} at the next checkpoint",
+            slots,
+        )
     return Decision("stay", f"{running} of {workers.max_workers} workers, no free slot on {market} nodes", slots)
-
-

@@ -46,16 +46,21 @@ def pick_local_node(nodes: Iterable[NodeView], local_raylet_ids: Iterable[str], 
     """The node this host runs (see the module docstring). Pure: raises DrainError (none yet) or ClusterError."""
     alive = [n for n in nodes if n.alive]
     local = set(local_raylet_ids)
-    for candidates, how in (([n for n in alive if n.node_id in local], "raylet processes on this host"),
-                            ([n for n in alive if host_ip and n.address == host_ip], f"nodes at {host_ip}")):
+    for candidates, how in (
+        ([n for n in alive if n.node_id in local], "raylet processes on this host"),
+        ([n for n in alive if host_ip and n.address == host_ip], f"nodes at {host_ip}"),
+    ):
         if len(candidates) == 1:
             return candidates[0].node_id
         if len(candidates) > 1:
             ids = ", ".join(sorted(n.node_id[:12] for n in candidates))
-            raise ClusterError(f"{len(candidates)} Ray nodes match this host ({how}: {ids}); "
-                               "pass --node-id to say which one to drain")
-    raise DrainError(f"no alive Ray node runs on this host ({host_ip or 'unknown IP'}) yet; "
-                     "start the watcher after `ray start`, or pass --node-id")
+            raise ClusterError(
+                f"{len(candidates)} Ray nodes match this host ({how}: {ids}); pass --node-id to say which one to drain"
+            )
+    raise DrainError(
+        f"no alive Ray node runs on this host ({host_ip or 'unknown IP'}) yet; "
+        "start the watcher after `ray start`, or pass --node-id"
+    )
 
 
 class RayDrainer:
@@ -75,7 +80,9 @@ class RayDrainer:
         try:
             address = services.canonicalize_bootstrap_address(self._address or "auto")
         except Exception as err:  # Ray raises ConnectionError/ValueError variants here; all mean the same
-            raise ClusterError(f"cannot find the Ray cluster ({err}); pass --address HOST:PORT or set RAY_ADDRESS") from None
+            raise ClusterError(
+                f"cannot find the Ray cluster ({err}); pass --address HOST:PORT or set RAY_ADDRESS"
+            ) from None
         if not address:
             raise ClusterError("no Ray cluster on this host; pass --address HOST:PORT or set RAY_ADDRESS")
         return address
@@ -98,8 +105,10 @@ class RayDrainer:
                 infos = self.client().get_all_node_info(timeout=self.rpc_timeout_s)
             except Exception as err:  # any RPC failure: the GCS is not reachable now
                 raise DrainError(f"cannot list Ray nodes at {self.gcs_address()}: {err}") from None
-            nodes = [NodeView(node_id.hex(), info.node_manager_address, info.state == GcsNodeInfo.GcsNodeState.ALIVE)
-                     for node_id, info in infos.items()]
+            nodes = [
+                NodeView(node_id.hex(), info.node_manager_address, info.state == GcsNodeInfo.GcsNodeState.ALIVE)
+                for node_id, info in infos.items()
+            ]
             self._node_id = pick_local_node(nodes, services.find_node_ids(), get_node_ip_address())
         return self._node_id
 
@@ -108,8 +117,13 @@ class RayDrainer:
 
         node_id = self.node_id()
         try:
-            accepted, reason = self.client().drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value(DRAIN_REASON),
-                                                        message, int(deadline_s * 1000), timeout=self.rpc_timeout_s)
+            accepted, reason = self.client().drain_node(
+                node_id,
+                autoscaler_pb2.DrainNodeReason.Value(DRAIN_REASON),
+                message,
+                int(deadline_s * 1000),
+                timeout=self.rpc_timeout_s,
+            )
         except Exception as err:  # any RPC failure is worth another try on the next poll
             raise DrainError(f"drain request for node {node_id} failed: {err}") from None
         return DrainOutcome(bool(accepted), node_id, str(reason or ""))

@@ -72,8 +72,9 @@ def request(method: str, url: str, headers: Mapping[str, str], timeout: float, d
         return Response(err.code, dict(err.headers or {}), body)
     except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
         reason = getattr(err, "reason", None) or err
-        raise MetadataUnavailable(f"{where}: {type(reason).__name__ if isinstance(reason, Exception) else ''} "
-                                  f"{reason}".strip()) from None
+        raise MetadataUnavailable(
+            f"{where}: {type(reason).__name__ if isinstance(reason, Exception) else ''} {reason}".strip()
+        ) from None
 
 
 def _unexpected(where: str, resp: Response) -> MetadataUnavailable:
@@ -97,15 +98,24 @@ class AwsSource:
     ACTION = "/latest/meta-data/spot/instance-action"
     REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
 
-    def __init__(self, url: str = DEFAULT_METADATA_URL, timeout_s: float = 2.0, token_ttl_s: int = AWS_TOKEN_TTL_S,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        url: str = DEFAULT_METADATA_URL,
+        timeout_s: float = 2.0,
+        token_ttl_s: int = AWS_TOKEN_TTL_S,
+        clock: Callable[[], float] = time.time,
+    ):
         self.url, self.timeout_s, self.token_ttl_s, self.clock = url.rstrip("/"), timeout_s, token_ttl_s, clock
         self._token: str | None = None
         self._token_expires = 0.0
 
     def _fetch_token(self) -> str:
-        resp = request("PUT", f"{self.url}/latest/api/token",
-                       {"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl_s)}, self.timeout_s)
+        resp = request(
+            "PUT",
+            f"{self.url}/latest/api/token",
+            {"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl_s)},
+            self.timeout_s,
+        )
         if resp.status != 200 or not resp.body:
             raise _unexpected("PUT /latest/api/token", resp)
         # Refresh well before expiry: at 80% of the TTL (a poll in flight must not carry a dying token).
@@ -129,16 +139,29 @@ class AwsSource:
             try:
                 doc = json.loads(resp.body)
                 action, when = str(doc["action"]), _parse_iso(doc["time"])
-                notices.append(Notice("aws", "reclaim", f"aws-{action}-{doc['time']}",
-                                      f"spot instance-action {action} at {doc['time']}", deadline=when))
+                notices.append(
+                    Notice(
+                        "aws",
+                        "reclaim",
+                        f"aws-{action}-{doc['time']}",
+                        f"spot instance-action {action} at {doc['time']}",
+                        deadline=when,
+                    )
+                )
             except (ValueError, KeyError, TypeError):
                 malformed.append((self.ACTION, resp.body))
         resp = self._get(self.REBALANCE)
         if resp.status == 200:
             try:
                 at = str(json.loads(resp.body)["noticeTime"])
-                notices.append(Notice("aws", "rebalance", f"aws-rebalance-{at}",
-                                      f"EC2 rebalance recommendation (noticeTime {at}): elevated reclaim risk"))
+                notices.append(
+                    Notice(
+                        "aws",
+                        "rebalance",
+                        f"aws-rebalance-{at}",
+                        f"EC2 rebalance recommendation (noticeTime {at}): elevated reclaim risk",
+                    )
+                )
             except (ValueError, KeyError, TypeError):
                 malformed.append((self.REBALANCE, resp.body))
         return Poll(tuple(notices), tuple(malformed))
@@ -161,8 +184,13 @@ class GcpSource:
     MAINTENANCE = "/computeMetadata/v1/instance/maintenance-event"
     HEADERS = {"Metadata-Flavor": "Google"}
 
-    def __init__(self, url: str = DEFAULT_METADATA_URL, timeout_s: float = 2.0, wait_s: float = 5.0,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        url: str = DEFAULT_METADATA_URL,
+        timeout_s: float = 2.0,
+        wait_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ):
         self.url, self.timeout_s, self.clock = url.rstrip("/"), timeout_s, clock
         self.wait_s = max(1, round(wait_s)) if wait_s > 0 else 0  # timeout_sec is whole seconds
         self._etag: str | None = None
@@ -172,8 +200,9 @@ class GcpSource:
         notices, malformed = [], []
         if self._etag and self.wait_s:
             # Long poll: returns at once if the value moved past our ETag, else on change or after wait_s.
-            query = urllib.parse.urlencode({"wait_for_change": "true", "last_etag": self._etag,
-                                            "timeout_sec": self.wait_s})
+            query = urllib.parse.urlencode(
+                {"wait_for_change": "true", "last_etag": self._etag, "timeout_sec": self.wait_s}
+            )
             resp = request("GET", f"{self.url}{self.PREEMPTED}?{query}", self.HEADERS, self.timeout_s + self.wait_s)
         else:
             resp = request("GET", self.url + self.PREEMPTED, self.HEADERS, self.timeout_s)
@@ -202,8 +231,13 @@ class GcpSource:
 
     def _reclaim(self, what: str, detail: str) -> Notice:
         seen = self._first_seen.setdefault(what, self.clock())
-        return Notice("gcp", "reclaim", f"gcp-{what}-{seen:.3f}", f"{detail} (GCP gives ~{GCP_NOTICE_S:.0f} s)",
-                      deadline=seen + GCP_NOTICE_S)
+        return Notice(
+            "gcp",
+            "reclaim",
+            f"gcp-{what}-{seen:.3f}",
+            f"{detail} (GCP gives ~{GCP_NOTICE_S:.0f} s)",
+            deadline=seen + GCP_NOTICE_S,
+        )
 
     def acknowledge(self, notice: Notice) -> None:
         pass  # GCP has nothing to acknowledge
@@ -219,8 +253,13 @@ class AzureSource:
     NAME = "/metadata/instance/compute/name"
     HEADERS = {"Metadata": "true"}
 
-    def __init__(self, url: str = DEFAULT_METADATA_URL, timeout_s: float = 2.0, vm_name: str | None = None,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        url: str = DEFAULT_METADATA_URL,
+        timeout_s: float = 2.0,
+        vm_name: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.url, self.timeout_s, self.clock = url.rstrip("/"), timeout_s, clock
         self.vm_name = vm_name
         self.incarnation: int | None = None
@@ -231,8 +270,12 @@ class AzureSource:
 
     def _lookup_vm_name(self) -> None:
         try:
-            resp = request("GET", f"{self.url}{self.NAME}?api-version={AZURE_NAME_API_VERSION}&format=text",
-                           self.HEADERS, self.timeout_s)
+            resp = request(
+                "GET",
+                f"{self.url}{self.NAME}?api-version={AZURE_NAME_API_VERSION}&format=text",
+                self.HEADERS,
+                self.timeout_s,
+            )
         except MetadataUnavailable:
             return  # unknown for now: every Preempt counts as ours; asked again next poll
         if resp.status == 200 and resp.body.strip():
@@ -263,20 +306,34 @@ class AzureSource:
             if kind == "Preempt":
                 seen = self._first_seen.setdefault(event_id, self.clock())
                 deadline = _parse_http_date(event.get("NotBefore")) or seen + AZURE_MIN_NOTICE_S
-                notices.append(Notice("azure", "reclaim", f"azure-{event_id}",
-                                      f"scheduled event Preempt {event_id} NotBefore {event.get('NotBefore') or '-'}",
-                                      deadline=deadline, event_id=event_id))
+                notices.append(
+                    Notice(
+                        "azure",
+                        "reclaim",
+                        f"azure-{event_id}",
+                        f"scheduled event Preempt {event_id} NotBefore {event.get('NotBefore') or '-'}",
+                        deadline=deadline,
+                        event_id=event_id,
+                    )
+                )
             else:
-                notices.append(Notice("azure", "info", f"azure-{event_id}-{event.get('EventStatus')}",
-                                      f"scheduled event {kind} {event_id} ({event.get('EventStatus')}, "
-                                      f"NotBefore {event.get('NotBefore') or '-'}): not a preemption, no drain"))
+                notices.append(
+                    Notice(
+                        "azure",
+                        "info",
+                        f"azure-{event_id}-{event.get('EventStatus')}",
+                        f"scheduled event {kind} {event_id} ({event.get('EventStatus')}, "
+                        f"NotBefore {event.get('NotBefore') or '-'}): not a preemption, no drain",
+                    )
+                )
         return Poll(tuple(notices))
 
     def acknowledge(self, notice: Notice) -> None:
         """Approve the event (StartRequests): tells Azure we are ready, so it may go ahead before NotBefore."""
         body = json.dumps({"StartRequests": [{"EventId": notice.event_id}]}).encode()
-        resp = request("POST", self._events_url(), {**self.HEADERS, "Content-Type": "application/json"},
-                       self.timeout_s, data=body)
+        resp = request(
+            "POST", self._events_url(), {**self.HEADERS, "Content-Type": "application/json"}, self.timeout_s, data=body
+        )
         if resp.status != 200:
             raise _unexpected(f"POST {self.EVENTS}", resp)
 
@@ -298,13 +355,28 @@ def detect_provider(url: str = DEFAULT_METADATA_URL, timeout_s: float = 1.0) -> 
     """Which cloud's metadata service answers at `url`, each probed once and briefly; None off-cloud."""
     base = url.rstrip("/")
     probes = {
-        "aws": lambda: (r := request("PUT", f"{base}/latest/api/token",
-                                     {"X-aws-ec2-metadata-token-ttl-seconds": "60"}, timeout_s)).status == 200
-        and bool(r.body.strip()),
-        "gcp": lambda: (r := request("GET", base + GcpSource.PREEMPTED, GcpSource.HEADERS, timeout_s)).status == 200
-        and r.headers.get("Metadata-Flavor") == "Google",
-        "azure": lambda: request("GET", f"{base}{AzureSource.NAME}?api-version={AZURE_NAME_API_VERSION}&format=text",
-                                 AzureSource.HEADERS, timeout_s).status == 200,
+        "aws": lambda: (
+            (
+                r := request(
+                    "PUT", f"{base}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "60"}, timeout_s
+                )
+            ).status
+            == 200
+            and bool(r.body.strip())
+        ),
+        "gcp": lambda: (
+            (r := request("GET", base + GcpSource.PREEMPTED, GcpSource.HEADERS, timeout_s)).status == 200
+            and r.headers.get("Metadata-Flavor") == "Google"
+        ),
+        "azure": lambda: (
+            request(
+                "GET",
+                f"{base}{AzureSource.NAME}?api-version={AZURE_NAME_API_VERSION}&format=text",
+                AzureSource.HEADERS,
+                timeout_s,
+            ).status
+            == 200
+        ),
     }
     for provider, probe in probes.items():
         try:
@@ -315,8 +387,13 @@ def detect_provider(url: str = DEFAULT_METADATA_URL, timeout_s: float = 1.0) -> 
     return None
 
 
-def make_source(provider: str, url: str = DEFAULT_METADATA_URL, timeout_s: float = 2.0, poll_seconds: float = 5.0,
-                clock: Callable[[], float] = time.time) -> NoticeSource:
+def make_source(
+    provider: str,
+    url: str = DEFAULT_METADATA_URL,
+    timeout_s: float = 2.0,
+    poll_seconds: float = 5.0,
+    clock: Callable[[], float] = time.time,
+) -> NoticeSource:
     if provider == "aws":
         return AwsSource(url, timeout_s, clock=clock)
     if provider == "gcp":

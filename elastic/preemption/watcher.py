@@ -68,9 +68,16 @@ def log_line(message: str, clock: Callable[[], float] = time.time) -> None:
 
 
 class Watcher:
-    def __init__(self, source: NoticeSource, drainer: Drainer, config: WatchConfig = WatchConfig(),
-                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                 emit: Callable[[str], None] | None = None, rand: Callable[[], float] = random.random):
+    def __init__(
+        self,
+        source: NoticeSource,
+        drainer: Drainer,
+        config: WatchConfig = WatchConfig(),
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+        emit: Callable[[str], None] | None = None,
+        rand: Callable[[], float] = random.random,
+    ):
         self.source, self.drainer, self.config = source, drainer, config
         self.clock, self.sleep, self.rand = clock, sleep, rand
         self.emit = emit or (lambda message: log_line(message, clock))
@@ -83,10 +90,12 @@ class Watcher:
             poll = self.source.poll()
         except MetadataUnavailable as err:
             state.failures += 1
-            delay = backoff_delay(state.failures, config.poll_seconds, config.backoff_cap_seconds, config.jitter,
-                                  self.rand())
-            self.emit(f"metadata service unavailable ({err}); backing off {delay:.1f} s "
-                      f"(failure {state.failures} in a row)")
+            delay = backoff_delay(
+                state.failures, config.poll_seconds, config.backoff_cap_seconds, config.jitter, self.rand()
+            )
+            self.emit(
+                f"metadata service unavailable ({err}); backing off {delay:.1f} s (failure {state.failures} in a row)"
+            )
             self._retry_pending()  # a drain we already owe does not wait for the metadata service
             return delay
         if state.failures:
@@ -116,8 +125,9 @@ class Watcher:
         elif notice.kind == "rebalance":
             state.rebalance = notice
             if new:
-                self.emit(f"rebalance recommendation ({notice.provider}): {notice.detail}; no drain until a "
-                          "reclaim notice")
+                self.emit(
+                    f"rebalance recommendation ({notice.provider}): {notice.detail}; no drain until a reclaim notice"
+                )
         elif new:
             self.emit(f"event ({notice.provider}): {notice.detail}")
 
@@ -129,16 +139,20 @@ class Watcher:
         now = self.clock()
         deadline = drain_deadline(notice.deadline or now, now, self.config.margin_seconds)
         message = f"spot reclaim: {notice.detail}"
-        self.emit(f"drain requested: reason PREEMPTION, deadline in {deadline - now:.1f} s "
-                  f"(cloud deadline - {self.config.margin_seconds:g} s margin)")
+        self.emit(
+            f"drain requested: reason PREEMPTION, deadline in {deadline - now:.1f} s "
+            f"(cloud deadline - {self.config.margin_seconds:g} s margin)"
+        )
         try:
             outcome = self.drainer.drain(deadline, message)
         except ElasticError as err:  # GCS unreachable, node not found or ambiguous: retried on the next poll
             self.emit(f"drain failed: {err}; retrying on the next poll")
             return
         if not outcome.accepted:
-            self.emit(f"drain rejected by Ray for node {outcome.node_id}: {outcome.reason or 'no reason given'}; "
-                      "retrying on the next poll")
+            self.emit(
+                f"drain rejected by Ray for node {outcome.node_id}: {outcome.reason or 'no reason given'}; "
+                "retrying on the next poll"
+            )
             return
         self.emit(f"drain accepted by Ray for node {outcome.node_id}")
         del self.state.pending[key]
@@ -173,9 +187,16 @@ class Watcher:
             self.sleep(max(0.0, delay - (self.clock() - started)))
 
 
-def watch(provider: str = "auto", metadata_url: str | None = None, drainer: Drainer | None = None,
-          address: str | None = None, node_id: str | None = None, config: WatchConfig = WatchConfig(),
-          once: bool = False, emit: Callable[[str], None] = log_line) -> int:
+def watch(
+    provider: str = "auto",
+    metadata_url: str | None = None,
+    drainer: Drainer | None = None,
+    address: str | None = None,
+    node_id: str | None = None,
+    config: WatchConfig = WatchConfig(),
+    once: bool = False,
+    emit: Callable[[str], None] = log_line,
+) -> int:
     """The `elastic watch-preemption` daemon; returns its exit status (0 also off-cloud under --provider auto).
 
     Runs until killed unless `once`. The node to drain: `drainer`, else a RayDrainer for `node_id` (default:
@@ -198,8 +219,10 @@ def watch(provider: str = "auto", metadata_url: str | None = None, drainer: Drai
             target = f"Ray node {drainer.node_id()} (GCS {drainer.gcs_address()})"
         except DrainError as err:
             emit(f"{err}; looking again when a notice comes")
-    emit(f"watching {provider} spot notices at {url} every {config.poll_seconds:g} s; a reclaim drains {target} "
-         f"{config.margin_seconds:g} s before the cloud's deadline")
+    emit(
+        f"watching {provider} spot notices at {url} every {config.poll_seconds:g} s; a reclaim drains {target} "
+        f"{config.margin_seconds:g} s before the cloud's deadline"
+    )
     source = make_source(provider, url, poll_seconds=config.poll_seconds)
     watcher = Watcher(source, drainer, config, emit=emit)
     reached = watcher.run(once=once)

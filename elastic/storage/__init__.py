@@ -2,15 +2,23 @@
 filesystems, and the up-front access check."""
 
 from elastic.storage.filesystems import (
-                                         StorageLocation,
-                                         check_storage,
-                                         fsspec_filesystem,
-                                         fsspec_options,
-                                         parse_uri,
-                                         pyarrow_filesystem,
-                                         s3_endpoint,
-                                         s3_region,
+    StorageLocation,
+    check_storage,
+    fsspec_filesystem,
+    fsspec_options,
+    parse_uri,
+    pyarrow_filesystem,
+    s3_endpoint,
+    s3_region,
 )
 
-__all__ = ["StorageLocation", "check_storage", "fsspec_filesystem", "fsspec_options", "parse_uri",
-           "pyarrow_filesystem", "s3_endpoint", "s3_region"]
+__all__ = [
+    "StorageLocation",
+    "check_storage",
+    "fsspec_filesystem",
+    "fsspec_options",
+    "parse_uri",
+    "pyarrow_filesystem",
+    "s3_endpoint",
+    "s3_region",
+]

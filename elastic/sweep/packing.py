@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-GB = 1024 ** 3
+GB = 1024**3
 # Ray tracks fractional resources to 1e-4; a share is always 1/n so trials tile a GPU exactly.
 _SHARE_DIGITS = 4
 
@@ -46,12 +46,17 @@ class PackingPlan:
 def fixed_plan(share: float, context_bytes: int = 0, device_bytes: int | None = None) -> PackingPlan:
     """A share given in the sweep spec: no probe, the cap follows the share."""
     n = max(1, math.floor(1 / share + 1e-9))
-    return PackingPlan(n, round(share, _SHARE_DIGITS), _memory_fraction(share, context_bytes, device_bytes),
-                       f"gpu_share {share} from the sweep spec")
+    return PackingPlan(
+        n,
+        round(share, _SHARE_DIGITS),
+        _memory_fraction(share, context_bytes, device_bytes),
+        f"gpu_share {share} from the sweep spec",
+    )
 
 
-def plan_packing(probe: Probe, headroom: float = 0.15, context_bytes: int = int(0.5 * GB),
-                 max_per_gpu: int = 8) -> PackingPlan:
+def plan_packing(
+    probe: Probe, headroom: float = 0.15, context_bytes: int = int(0.5 * GB), max_per_gpu: int = 8
+) -> PackingPlan:
     """Largest n such that n workers, each needing peak x (1 + headroom) plus its CUDA context, fit on one
     GPU; capped at max_per_gpu. A worker that does not fit even alone gets the whole GPU (and will say so)."""
     if probe.device_bytes <= 0:
@@ -62,14 +67,20 @@ def plan_packing(probe: Probe, headroom: float = 0.15, context_bytes: int = int(
     share = _share(n)
     peak_gb, device_gb = probe.peak_bytes / GB, probe.device_bytes / GB
     if fits < 1:
-        reason = (f"{probe.source} peak {peak_gb:.2f} GB (+{headroom:.0%} headroom, context) exceeds the "
-                  f"{device_gb:.1f} GB GPU: one trial per GPU, and it may still run out of memory")
+        reason = (
+            f"{probe.source} peak {peak_gb:.2f} GB (+{headroom:.0%} headroom, context) exceeds the "
+            f"{device_gb:.1f} GB GPU: one trial per GPU, and it may still run out of memory"
+        )
     elif n < fits:
-        reason = (f"{probe.source} peak {peak_gb:.2f} GB: {fits} would fit on {device_gb:.1f} GB; capped at "
-                  f"max_per_gpu={max_per_gpu}")
+        reason = (
+            f"{probe.source} peak {peak_gb:.2f} GB: {fits} would fit on {device_gb:.1f} GB; capped at "
+            f"max_per_gpu={max_per_gpu}"
+        )
     else:
-        reason = (f"{probe.source} peak {peak_gb:.2f} GB x (1 + {headroom:.0%}) + {context_bytes / GB:.2f} GB "
-                  f"context: {n} per {device_gb:.1f} GB GPU")
+        reason = (
+            f"{probe.source} peak {peak_gb:.2f} GB x (1 + {headroom:.0%}) + {context_bytes / GB:.2f} GB "
+            f"context: {n} per {device_gb:.1f} GB GPU"
+        )
     return PackingPlan(n, share, _memory_fraction(share, context_bytes, probe.device_bytes), reason)
 
 
@@ -101,7 +112,7 @@ def memory_cap(plan_fraction: float) -> float:
 
 def _share(per_gpu: int) -> float:
     # Round down, so n shares never add up to more than one GPU.
-    return math.floor(10 ** _SHARE_DIGITS / per_gpu) / 10 ** _SHARE_DIGITS
+    return math.floor(10**_SHARE_DIGITS / per_gpu) / 10**_SHARE_DIGITS
 
 
 def _memory_fraction(share: float, context_bytes: int, device_bytes: int | None) -> float:

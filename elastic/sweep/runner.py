@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 PLAN_FILE = "elastic-sweep.json"
 TRIAL_FILE = "elastic-trial.json"
-GB = 1024 ** 3
+GB = 1024**3
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -80,8 +80,10 @@ def prepare_plan(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> 
     uri = parse_uri(experiment_uri(sweep, job)).child(PLAN_FILE).uri
     saved = _read_json(uri)
     if saved is not None:
-        say(f"packing plan from {uri}: {saved['plan']['trials_per_gpu']} per GPU, share "
-            f"{saved['plan']['share']} ({saved['plan']['reason']})")
+        say(
+            f"packing plan from {uri}: {saved['plan']['trials_per_gpu']} per GPU, share "
+            f"{saved['plan']['share']} ({saved['plan']['reason']})"
+        )
         return saved
     cfg = sweep.packing
     probe = None
@@ -89,14 +91,22 @@ def prepare_plan(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> 
         plan = packing.fixed_plan(float(sweep.gpu_share))
     else:
         probe = run_probe(sweep, job, say)
-        plan = packing.plan_packing(probe, headroom=cfg.headroom,
-                                    context_bytes=int(cfg.context_gb * GB) if probe.source == "measured" else 0,
-                                    max_per_gpu=cfg.max_per_gpu)
-    saved = {"plan": plan.to_json(), "probe": probe.to_json() if probe else None,
-             "strategy": packing.rank_placement(job.workers.max_workers, plan.share)}
+        plan = packing.plan_packing(
+            probe,
+            headroom=cfg.headroom,
+            context_bytes=int(cfg.context_gb * GB) if probe.source == "measured" else 0,
+            max_per_gpu=cfg.max_per_gpu,
+        )
+    saved = {
+        "plan": plan.to_json(),
+        "probe": probe.to_json() if probe else None,
+        "strategy": packing.rank_placement(job.workers.max_workers, plan.share),
+    }
     _write_json(uri, saved)
-    say(f"packing plan: {plan.trials_per_gpu} trial(s) per GPU, share {plan.share}, memory cap "
-        f"{plan.memory_fraction:.2%} per process, ranks {saved['strategy']} ({plan.reason})")
+    say(
+        f"packing plan: {plan.trials_per_gpu} trial(s) per GPU, share {plan.share}, memory cap "
+        f"{plan.memory_fraction:.2%} per process, ranks {saved['strategy']} ({plan.reason})"
+    )
     return saved
 
 
@@ -106,29 +116,46 @@ def run_probe(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> pac
     cfg = sweep.packing
     logical = os.environ.get("ELASTIC_LOGICAL_GPUS") == "1"
     if logical and cfg.gpu_memory_gb is None:
-        raise UserError("gpu_share auto on logical GPUs (no CUDA) needs packing.gpu_memory_gb, the declared "
-                        "peak memory of one trial; set it or give gpu_share a number")
+        raise UserError(
+            "gpu_share auto on logical GPUs (no CUDA) needs packing.gpu_memory_gb, the declared "
+            "peak memory of one trial; set it or give gpu_share a number"
+        )
     measured = {}
     if cfg.probe:
         params = {key: _example_value(p) for key, p in sweep.space.items()}
-        probe_job = trial_job(job, params).model_copy(update={"checkpoint": job.checkpoint.model_copy(
-            update={"uri": train_root(sweep, job), "every_steps": 10 ** 9, "every_seconds": None})})
+        probe_job = trial_job(job, params).model_copy(
+            update={
+                "checkpoint": job.checkpoint.model_copy(
+                    update={"uri": train_root(sweep, job), "every_steps": 10**9, "every_seconds": None}
+                )
+            }
+        )
         run_name = f"{sweep.name}-probe"
         say(f"probe: {cfg.probe_steps} steps of {run_name} on a whole GPU")
         started = time.monotonic()
-        fit_run(probe_job, run_name, "", [], TrialSharing(share=1.0, memory_fraction=1.0,
-                                                          strategy=packing.rank_placement(job.workers.min, 1.0),
-                                                          probe_steps=cfg.probe_steps, report_to_tune=False))
+        fit_run(
+            probe_job,
+            run_name,
+            "",
+            [],
+            TrialSharing(
+                share=1.0,
+                memory_fraction=1.0,
+                strategy=packing.rank_placement(job.workers.min, 1.0),
+                probe_steps=cfg.probe_steps,
+                report_to_tune=False,
+            ),
+        )
         run_uri = parse_uri(train_root(sweep, job)).child(run_name).uri
         measured = _read_json(parse_uri(run_uri).child(PROBE_FILE).uri) or {}
         say(f"probe: done in {time.monotonic() - started:.0f} s: {json.dumps(measured)}")
     if measured.get("cuda"):
-        return packing.Probe(measured["peak_bytes"], measured["device_bytes"], measured["step_seconds"],
-                             "measured")
+        return packing.Probe(measured["peak_bytes"], measured["device_bytes"], measured["step_seconds"], "measured")
     if cfg.gpu_memory_gb is None:
         raise UserError("gpu_share auto without a probe measure needs packing.gpu_memory_gb; set it")
-    return packing.Probe(int(cfg.gpu_memory_gb * GB), int(cfg.device_memory_gb * GB),
-                         measured.get("step_seconds"), "declared")
+    return packing.Probe(
+        int(cfg.gpu_memory_gb * GB), int(cfg.device_memory_gb * GB), measured.get("step_seconds"), "declared"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -156,17 +183,24 @@ def trial_main(config: dict, setup: dict) -> None:
     fs, _ = fsspec_filesystem(run_uri)
     while True:
         latest = store.latest_committed()
-        record["attempts"].append({"share": share, "resumed_from": latest.step if latest else None,
-                                   "started": time.time()})
+        record["attempts"].append(
+            {"share": share, "resumed_from": latest.step if latest else None, "started": time.time()}
+        )
         _write_json(record_uri, record)
         fraction = packing.memory_cap(plan["memory_fraction"] * share / plan["share"])
-        sharing = TrialSharing(share=share, memory_fraction=fraction, strategy=packing.rank_placement(
-            job.workers.max_workers, share))
+        sharing = TrialSharing(
+            share=share, memory_fraction=fraction, strategy=packing.rank_placement(job.workers.max_workers, share)
+        )
         failure: BaseException | None = None
         try:
             # workers.gpus = the share: spot-first's capacity checks count GPU shares too
-            fit_run(job.model_copy(update={"workers": job.workers.model_copy(update={"gpus": share})}),
-                    run_name, run_uri, [], sharing)
+            fit_run(
+                job.model_copy(update={"workers": job.workers.model_copy(update={"gpus": share})}),
+                run_name,
+                run_uri,
+                [],
+                sharing,
+            )
         except Exception as err:  # the run's failure; an OOM marker decides whether it is retried
             failure = err
         record["attempts"][-1]["ended"] = time.time()
@@ -180,11 +214,17 @@ def trial_main(config: dict, setup: dict) -> None:
         record["ooms"].append(oom)
         if share >= 1 or len(record["ooms"]) > setup["max_oom_retries"]:
             _write_json(record_uri, record)
-            raise TrialOutOfMemory(f"trial {trial_id} ran out of memory at GPU share {share} "
-                                   f"({len(record['ooms'])} time(s)): {oom.get('error')}")
+            raise TrialOutOfMemory(
+                f"trial {trial_id} ran out of memory at GPU share {share} "
+                f"({len(record['ooms'])} time(s)): {oom.get('error')}"
+            )
         share = packing.bigger_share(share)
-        log.warning("trial %s: out of memory at step %s; retrying with GPU share %s from its last checkpoint",
-                    trial_id, oom.get("step"), share)
+        log.warning(
+            "trial %s: out of memory at step %s; retrying with GPU share %s from its last checkpoint",
+            trial_id,
+            oom.get("step"),
+            share,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -212,12 +252,19 @@ def scheduler(sweep: SweepSpec):
 
     spec = sweep.scheduler
     if spec.type == "asha":
-        return ASHAScheduler(time_attr=spec.time_attr, max_t=spec.max_t, grace_period=spec.grace_period,
-                             reduction_factor=spec.reduction_factor)
+        return ASHAScheduler(
+            time_attr=spec.time_attr,
+            max_t=spec.max_t,
+            grace_period=spec.grace_period,
+            reduction_factor=spec.reduction_factor,
+        )
     if spec.type == "pbt":
         space = param_space(sweep)
-        return PopulationBasedTraining(time_attr=spec.time_attr, perturbation_interval=spec.perturbation_interval,
-                                       hyperparam_mutations={k: space[k] for k in sweep.pbt_keys()})
+        return PopulationBasedTraining(
+            time_attr=spec.time_attr,
+            perturbation_interval=spec.perturbation_interval,
+            hyperparam_mutations={k: space[k] for k in sweep.pbt_keys()},
+        )
     return FIFOScheduler()
 
 
@@ -227,8 +274,13 @@ def driver_resources(sweep: SweepSpec):
     import ray
     from ray import tune
 
-    on_demand = [n for n in ray.nodes() if n.get("Alive") and (n.get("Labels") or {}).get(MARKET_LABEL) == "on-demand"
-                 and n.get("Resources", {}).get("CPU", 0) >= sweep.driver_cpus]
+    on_demand = [
+        n
+        for n in ray.nodes()
+        if n.get("Alive")
+        and (n.get("Labels") or {}).get(MARKET_LABEL) == "on-demand"
+        and n.get("Resources", {}).get("CPU", 0) >= sweep.driver_cpus
+    ]
     selector = [{MARKET_LABEL: "on-demand"}] if on_demand else None
     return tune.PlacementGroupFactory([{"CPU": sweep.driver_cpus}], bundle_label_selector=selector)
 
@@ -240,8 +292,11 @@ def market_gpus(market: str) -> float:
     selector = worker_selector("on-demand" if market == "spot-first" else market)
     if market == "spot-first":
         selector = {k: v for k, v in selector.items() if k != "market"}
-    return sum(n.get("Resources", {}).get("GPU", 0) for n in ray.nodes()
-               if n.get("Alive") and matches(n.get("Labels") or {}, selector))
+    return sum(
+        n.get("Resources", {}).get("GPU", 0)
+        for n in ray.nodes()
+        if n.get("Alive") and matches(n.get("Labels") or {}, selector)
+    )
 
 
 def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callable[[str], None] = print) -> dict:
@@ -255,27 +310,49 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
     if resume and not restorable:
         raise UserError(f"--resume: no sweep {sweep.name} to restore at {experiment}; run it without --resume")
     saved = prepare_plan(sweep, job, say)
-    setup = {"sweep": sweep.name, "job": job.model_dump(mode="json"), "train_root": train_root(sweep, job),
-             "plan": saved["plan"], "max_oom_retries": sweep.packing.max_oom_retries}
+    setup = {
+        "sweep": sweep.name,
+        "job": job.model_dump(mode="json"),
+        "train_root": train_root(sweep, job),
+        "plan": saved["plan"],
+        "max_oom_retries": sweep.packing.max_oom_retries,
+    }
     trainable = tune.with_resources(tune.with_parameters(trial_main, setup=setup), driver_resources(sweep))
     concurrent = sweep.max_concurrent or packing.concurrency_cap(
-        saved["plan"]["trials_per_gpu"], market_gpus(job.workers.market), job.workers.max_workers)
+        saved["plan"]["trials_per_gpu"], market_gpus(job.workers.market), job.workers.max_workers
+    )
     if restorable:
         say(f"restoring sweep {sweep.name} from {experiment}")
-        tuner = tune.Tuner.restore(experiment_path, trainable, resume_unfinished=True, resume_errored=True,
-                                   param_space=param_space(sweep), storage_filesystem=filesystem)
+        tuner = tune.Tuner.restore(
+            experiment_path,
+            trainable,
+            resume_unfinished=True,
+            resume_errored=True,
+            param_space=param_space(sweep),
+            storage_filesystem=filesystem,
+        )
     else:
         root_fs, root_path = pyarrow_filesystem(sweep.storage or job.checkpoint.uri)
         trial_scheduler = scheduler(sweep)
         tuner = tune.Tuner(
             trainable,
             param_space=param_space(sweep),
-            tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples,
-                                        scheduler=trial_scheduler, max_concurrent_trials=concurrent,
-                                        reuse_actors=False),
-            run_config=tune.RunConfig(name=sweep.name, storage_path=root_path, storage_filesystem=root_fs,
-                                      failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
-                                      callbacks=[Progress(), SchedulerState(trial_scheduler)], verbose=0),
+            tune_config=tune.TuneConfig(
+                metric=sweep.metric,
+                mode=sweep.mode,
+                num_samples=sweep.num_samples,
+                scheduler=trial_scheduler,
+                max_concurrent_trials=concurrent,
+                reuse_actors=False,
+            ),
+            run_config=tune.RunConfig(
+                name=sweep.name,
+                storage_path=root_path,
+                storage_filesystem=root_fs,
+                failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
+                callbacks=[Progress(), SchedulerState(trial_scheduler)],
+                verbose=0,
+            ),
         )
     results = tuner.fit()
     return report(sweep, job, results, saved, time.monotonic() - started)
@@ -288,8 +365,11 @@ def report(sweep: SweepSpec, job: JobSpec, results, saved: dict, seconds: float)
         metrics = result.metrics or {}
         found = re.search(r"_([0-9a-f]{5}_\d{5})(?:_|$)", os.path.basename(str(result.path)))
         trial_id = metrics.get("trial_id") or (found.group(1) if found else None)
-        record = _read_json(parse_uri(train_root(sweep, job)).child(f"{sweep.name}-{trial_id}", TRIAL_FILE).uri) \
-            if trial_id else None
+        record = (
+            _read_json(parse_uri(train_root(sweep, job)).child(f"{sweep.name}-{trial_id}", TRIAL_FILE).uri)
+            if trial_id
+            else None
+        )
         attempts = (record or {}).get("attempts", [])
         if result.error is not None:
             state = "ERROR"
@@ -297,31 +377,57 @@ def report(sweep: SweepSpec, job: JobSpec, results, saved: dict, seconds: float)
             state = "TERMINATED"
         else:
             state = "STOPPED"  # ended by the scheduler before the job finished
-        trials.append({
-            "trial_id": trial_id, "params": result.config, "metric": metrics.get(sweep.metric), "state": state,
-            "iterations": metrics.get("training_iteration"), "step": metrics.get("step"),
-            "gpu_share": attempts[-1]["share"] if attempts else saved["plan"]["share"],
-            "restarts": max(0, len(attempts) - 1), "ooms": len((record or {}).get("ooms", [])),
-            "resumed_from": [a["resumed_from"] for a in attempts],
-            "error": str(result.error).splitlines()[0][:200] if result.error else None,
-            "final_metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))
-                              and not isinstance(v, bool) and k not in _TUNE_KEYS},
-        })
+        trials.append(
+            {
+                "trial_id": trial_id,
+                "params": result.config,
+                "metric": metrics.get(sweep.metric),
+                "state": state,
+                "iterations": metrics.get("training_iteration"),
+                "step": metrics.get("step"),
+                "gpu_share": attempts[-1]["share"] if attempts else saved["plan"]["share"],
+                "restarts": max(0, len(attempts) - 1),
+                "ooms": len((record or {}).get("ooms", [])),
+                "resumed_from": [a["resumed_from"] for a in attempts],
+                "error": str(result.error).splitlines()[0][:200] if result.error else None,
+                "final_metrics": {
+                    k: v
+                    for k, v in metrics.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _TUNE_KEYS
+                },
+            }
+        )
     trials.sort(key=lambda t: t["trial_id"] or "")
     best = None
     try:
         best = results.get_best_result(metric=sweep.metric, mode=sweep.mode)
     except RuntimeError:  # no trial reported the metric
         pass
-    return {"sweep": sweep.name, "experiment": experiment_uri(sweep, job), "metric": sweep.metric, "mode": sweep.mode,
-            "plan": saved["plan"], "probe": saved.get("probe"), "rank_placement": saved.get("strategy"),
-            "trials": trials, "best_config": best.config if best else None,
-            "best_metric": (best.metrics or {}).get(sweep.metric) if best else None,
-            "errors": sum(t["state"] == "ERROR" for t in trials), "seconds": round(seconds, 1)}
+    return {
+        "sweep": sweep.name,
+        "experiment": experiment_uri(sweep, job),
+        "metric": sweep.metric,
+        "mode": sweep.mode,
+        "plan": saved["plan"],
+        "probe": saved.get("probe"),
+        "rank_placement": saved.get("strategy"),
+        "trials": trials,
+        "best_config": best.config if best else None,
+        "best_metric": (best.metrics or {}).get(sweep.metric) if best else None,
+        "errors": sum(t["state"] == "ERROR" for t in trials),
+        "seconds": round(seconds, 1),
+    }
 
 
-_TUNE_KEYS = {"timestamp", "time_this_iter_s", "time_total_s", "pid", "time_since_restore",
-              "iterations_since_restore", "training_iteration"}
+_TUNE_KEYS = {
+    "timestamp",
+    "time_this_iter_s",
+    "time_total_s",
+    "pid",
+    "time_since_restore",
+    "iterations_since_restore",
+    "training_iteration",
+}
 
 
 class Progress(Callback):
@@ -335,8 +441,10 @@ class Progress(Callback):
         _line(f"trial {trial.trial_id} {_short(shown)}")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        _line(f"trial {trial.trial_id} finished ({_count(trials, 'TERMINATED')} done, "
-              f"{_count(trials, 'RUNNING')} running)")
+        _line(
+            f"trial {trial.trial_id} finished ({_count(trials, 'TERMINATED')} done, "
+            f"{_count(trials, 'RUNNING')} running)"
+        )
 
     def on_trial_error(self, iteration, trials, trial, **info):
         _line(f"trial {trial.trial_id} FAILED: {str(getattr(trial, 'error_msg', '') or '')[:160]}")
@@ -401,9 +509,16 @@ def connect(job: JobSpec | None = None) -> None:
     if state is not None and state.logical_gpus:
         os.environ["ELASTIC_LOGICAL_GPUS"] = "1"
     try:
-        ray.init(address=address or "auto", log_to_driver=False, runtime_env={
-            "working_dir": os.getcwd(), "excludes": DEFAULT_EXCLUDES + (list(job.runtime_env.excludes) if job else []),
-            "env_vars": dict(job.runtime_env.env_vars) if job else {}})
+        ray.init(
+            address=address or "auto",
+            log_to_driver=False,
+            runtime_env={
+                "working_dir": os.getcwd(),
+                "excludes": DEFAULT_EXCLUDES + (list(job.runtime_env.excludes) if job else []),
+                "env_vars": dict(job.runtime_env.env_vars) if job else {},
+            },
+        )
     except ConnectionError:
-        raise ClusterError("no Ray cluster to run the sweep on; start one with `elastic local up --gpus-per-node 2` "
-                           "or set RAY_ADDRESS") from None
+        raise ClusterError(
+            "no Ray cluster to run the sweep on; start one with `elastic local up --gpus-per-node 2` or set RAY_ADDRESS"
+        ) from None

@@ -44,8 +44,16 @@ class NoLedger:
 class SampleLedger:
     """Records this rank's batches per step; `flush` writes them to the run folder (called on every rank)."""
 
-    def __init__(self, fs, run_root: str, rank: int, world_size: int, resumed_from: int, attempt: str,
-                 num_samples: int | None = None):
+    def __init__(
+        self,
+        fs,
+        run_root: str,
+        rank: int,
+        world_size: int,
+        resumed_from: int,
+        attempt: str,
+        num_samples: int | None = None,
+    ):
         self.fs = fs
         self.run_root = run_root
         self.rank = rank
@@ -65,8 +73,9 @@ class SampleLedger:
 
     def on_step(self, step: int, metrics: dict | None) -> None:
         loss = (metrics or {}).get("loss")
-        self._records.append({"step": step, "batches": self._batches,
-                              "loss": float(loss) if isinstance(loss, (int, float)) else None})
+        self._records.append(
+            {"step": step, "batches": self._batches, "loss": float(loss) if isinstance(loss, (int, float)) else None}
+        )
         self._batches = []
 
     def flush(self, step: int) -> None:
@@ -74,8 +83,14 @@ class SampleLedger:
             return
         if not self.attempt:
             raise RuntimeError("the sample ledger has no attempt id: call session.restore() before training")
-        payload = {"attempt": self.attempt, "rank": self.rank, "world_size": self.world_size,
-                   "resumed_from": self.resumed_from, "num_samples": self.num_samples, "records": self._records}
+        payload = {
+            "attempt": self.attempt,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "resumed_from": self.resumed_from,
+            "num_samples": self.num_samples,
+            "records": self._records,
+        }
         self.fs.makedirs(self.folder, exist_ok=True)
         with self.fs.open(f"{self.folder}/rank-{self.rank:05d}-{step:09d}.json", "w") as handle:
             json.dump(payload, handle)
@@ -182,10 +197,14 @@ class Divergence:
     resumed_from: int  # the checkpoint the other run's attempt that ran this step had resumed from (0: none)
 
     def __str__(self) -> str:
-        since = f"resumed from the checkpoint of step {self.resumed_from}" if self.resumed_from else "no resume before it"
-        ranks = ", ".join(f"rank {r}: {self.other.get(r)!r} against {self.baseline.get(r)!r}"
-                          for r in sorted(set(self.baseline) | set(self.other))
-                          if self.other.get(r) != self.baseline.get(r))
+        since = (
+            f"resumed from the checkpoint of step {self.resumed_from}" if self.resumed_from else "no resume before it"
+        )
+        ranks = ", ".join(
+            f"rank {r}: {self.other.get(r)!r} against {self.baseline.get(r)!r}"
+            for r in sorted(set(self.baseline) | set(self.other))
+            if self.other.get(r) != self.baseline.get(r)
+        )
         return f"step {self.step} ({since}; {ranks})"
 
 
@@ -201,6 +220,7 @@ def first_divergence(baseline: History, other: History) -> Divergence | None:
 
 def _same_losses(a: dict[int, float | None], b: dict[int, float | None]) -> bool:
     """Bit-equal per rank; a NaN equals a NaN (a step skipped for a non-finite loss in both runs)."""
+
     def same(x: float | None, y: float | None) -> bool:
         return x == y or (x is not None and y is not None and math.isnan(x) and math.isnan(y))
 

@@ -42,7 +42,7 @@ class Kill:
 
 
 def parse_plan(text: str) -> list[Kill]:
-    """"30:1,45,40:0:save,60:0:notice" -> kill rank 1 at step 30, rank 0 at step 45, rank 0 inside the save of
+    """ "30:1,45,40:0:save,60:0:notice" -> kill rank 1 at step 30, rank 0 at step 45, rank 0 inside the save of
     step 40, and a reclaim notice after step 60."""
     plan = []
     for item in filter(None, (part.strip() for part in text.split(","))):

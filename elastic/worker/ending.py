@@ -26,8 +26,7 @@ class PlacementEnding:
     `wait_for_save` waits for the save in flight and logs its failure (a failed save keeps the placement:
     training goes on and the next checkpoint tries again)."""
 
-    def __init__(self, watch, reports: CommitReports, rank: int,
-                 wait_for_save: Callable[[], SaveResult | None]):
+    def __init__(self, watch, reports: CommitReports, rank: int, wait_for_save: Callable[[], SaveResult | None]):
         self.watch = watch
         self._reports = reports
         self._rank = rank
@@ -50,12 +49,20 @@ class PlacementEnding:
             self._say("placement called off: the placement it was to follow went on")
             raise PlacementEnded(-1)
 
-    def watch_notices(self, spec: CheckpointSpec, in_flight: Callable[[], bool],
-                      read_notice: Callable[[], Notice | None]) -> None:
+    def watch_notices(
+        self, spec: CheckpointSpec, in_flight: Callable[[], bool], read_notice: Callable[[], Notice | None]
+    ) -> None:
         if spec.just_in_time:
             group = dist.new_group(backend="gloo") if dist.is_initialized() else None  # its own: never races saves
-            self.jit = JustInTime(self._rank, group, spec.jit_margin_seconds, self._say, in_flight=in_flight,
-                                  on_notice=self._announce, read_notice=read_notice)
+            self.jit = JustInTime(
+                self._rank,
+                group,
+                spec.jit_margin_seconds,
+                self._say,
+                in_flight=in_flight,
+                on_notice=self._announce,
+                read_notice=read_notice,
+            )
 
     def at_checkpoint(self) -> None:
         """After a checkpoint has started, if the driver asked this placement to end: wait for its commit and
@@ -79,9 +86,11 @@ class PlacementEnding:
             return
         self._reports.report_ending(result.step, {"step": result.step, **(metrics or {})})
         left = self.jit.seconds_to_deadline()
-        self._say(f"just-in-time checkpoint at step {result.step} committed in {time.monotonic() - started:.2f} s"
-                  + (f", {left:.1f} s before the deadline" if left is not None else "")
-                  + "; ending this placement (no step lost)")
+        self._say(
+            f"just-in-time checkpoint at step {result.step} committed in {time.monotonic() - started:.2f} s"
+            + (f", {left:.1f} s before the deadline" if left is not None else "")
+            + "; ending this placement (no step lost)"
+        )
         if not self.watch.can_end:
             # No driver around this run to resume it: wait (no further steps, they would be lost) until Ray
             # Train tears the group down at the deadline and restarts it from this checkpoint.

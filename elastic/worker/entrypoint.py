@@ -39,8 +39,9 @@ def worker_main(payload: dict, setup: WorkerSetup | None = None) -> None:
     # The first DistributedDataParallel(...) imports torch._dynamo (sympy included): a second or two of a
     # restart's critical path. Start it now; the session's setup (S3 client, collectives, the wait for a
     # predecessor placement) waits on the network meanwhile.
-    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="elastic-import",
-                     daemon=True).start()
+    threading.Thread(
+        target=importlib.import_module, args=("torch._dynamo",), name="elastic-import", daemon=True
+    ).start()
     spec = JobSpec.model_validate(payload["spec"])
     if setup is not None:
         setup.before_session(spec)

@@ -85,7 +85,9 @@ class JitPlanner:
         return finish_after_next >= notice.deadline
 
     def describe(self, notice: Notice) -> str:
-        left = "no deadline" if notice.deadline is None else f"{notice.deadline - self._clock():.1f} s before the deadline"
+        left = (
+            "no deadline" if notice.deadline is None else f"{notice.deadline - self._clock():.1f} s before the deadline"
+        )
         return f"{left}; step {self.step_seconds:.3f} s, save {self.save_seconds:.2f} s, margin {self.margin:g} s"
 
 
@@ -145,10 +147,17 @@ class JustInTime:
     """Per-rank driver of the just-in-time checkpoint: `due(step)` on every rank after every step says whether
     to save at this step. Rank 0 reads the notice and plans; everyone agrees through the channel."""
 
-    def __init__(self, rank: int, group, margin_seconds: float, log: Callable[[str], None],
-                 in_flight: Callable[[], bool] = lambda: False,
-                 read_notice: Callable[[], Notice | None] = read_ray_notice, clock: Callable[[], float] = time.time,
-                 on_notice: Callable[[Notice, float | None], None] = lambda notice, eta: None):
+    def __init__(
+        self,
+        rank: int,
+        group,
+        margin_seconds: float,
+        log: Callable[[str], None],
+        in_flight: Callable[[], bool] = lambda: False,
+        read_notice: Callable[[], Notice | None] = read_ray_notice,
+        clock: Callable[[], float] = time.time,
+        on_notice: Callable[[Notice, float | None], None] = lambda notice, eta: None,
+    ):
         self.rank = rank
         self._on_notice = on_notice  # rank 0, once: the notice and when the checkpoint should commit
         self.planner = JitPlanner(margin_seconds, clock)
@@ -167,8 +176,10 @@ class JustInTime:
             notice = self._poll()
             if notice is not None:
                 if self.notice is None:
-                    self._log(f"preemption notice for node(s) {', '.join(n[:12] for n in notice.node_ids)} at step "
-                              f"{step}: training on, just-in-time checkpoint planned ({self.planner.describe(notice)})")
+                    self._log(
+                        f"preemption notice for node(s) {', '.join(n[:12] for n in notice.node_ids)} at step "
+                        f"{step}: training on, just-in-time checkpoint planned ({self.planner.describe(notice)})"
+                    )
                     eta = notice.deadline - self.planner.margin if notice.deadline is not None else None
                     self._on_notice(notice, eta)
                 self.notice = notice

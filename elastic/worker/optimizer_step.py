@@ -94,8 +94,9 @@ def grad_scaler(precision: str, device: torch.device):
 # Activation checkpointing
 
 
-def apply_activation_checkpointing(model: torch.nn.Module,
-                                   layers: Callable[[torch.nn.Module], bool] | tuple[type, ...] | None) -> int:
+def apply_activation_checkpointing(
+    model: torch.nn.Module, layers: Callable[[torch.nn.Module], bool] | tuple[type, ...] | None
+) -> int:
     """Wrap the chosen submodules so their activations are recomputed in backward. `layers` is a predicate or
     a tuple of module types; by default every direct child of the model. Returns how many were wrapped.
 
@@ -136,7 +137,8 @@ class NonFiniteGuard:
                 f"the loss (or its gradients) was NaN or infinite for {self.in_a_row} steps in a row "
                 f"(up to step {step}); "
                 f"lower the learning rate, use bf16 instead of fp16, or check the data; "
-                f"train.max_nonfinite_steps={self.limit}")
+                f"train.max_nonfinite_steps={self.limit}"
+            )
         return False
 
     def state_dict(self) -> dict:
@@ -154,8 +156,12 @@ def _gradients_finite(optimizer: torch.optim.Optimizer) -> bool:
     """A non-finite loss is multiplied by NaN before backward, so every gradient it reaches is NaN in every
     element, on every rank once all-reduced: one element per tensor tells, where a norm over all of them cost
     a pass over the model each step."""
-    probes = [p.grad.reshape(-1)[:1] for group in optimizer.param_groups for p in group["params"]
-              if p.grad is not None and p.grad.numel()]
+    probes = [
+        p.grad.reshape(-1)[:1]
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None and p.grad.numel()
+    ]
     return not probes or bool(torch.isfinite(torch.cat(probes)).all())
 
 
@@ -163,8 +169,16 @@ class OptimizerStep:
     """Turns micro-batch losses into optimizer steps. `optimize(loss)` returns True when it completed a step
     (applied or skipped), i.e. on the last micro-batch of an accumulation window."""
 
-    def __init__(self, spec: TrainSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scaler, guard: NonFiniteGuard, scheduler=None, group=None):
+    def __init__(
+        self,
+        spec: TrainSpec,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler,
+        guard: NonFiniteGuard,
+        scheduler=None,
+        group=None,
+    ):
         self.spec = spec
         self.model = model
         self.optimizer = optimizer

@@ -40,8 +40,15 @@ class PlacementWatch:
 
     can_end = True
 
-    def __init__(self, control: PlacementControl, placement_id: str, rank: int, endable: bool,
-                 follows: str | None = None, poll_seconds: float = 0.25):
+    def __init__(
+        self,
+        control: PlacementControl,
+        placement_id: str,
+        rank: int,
+        endable: bool,
+        follows: str | None = None,
+        poll_seconds: float = 0.25,
+    ):
         self.control, self.placement_id, self.rank, self.endable = control, placement_id, rank, endable
         self.follows, self.poll_seconds = follows, poll_seconds
         self._kind = "ended"
@@ -84,8 +91,11 @@ class PlacementWatch:
         kind = reason or self._kind
         if self.rank == 0:
             self.control.acknowledge(self.placement_id, step, kind, self.rank_nodes)
-        return {EndKind.SWAP: "moving to spot", EndKind.GROW: "growing the worker group",
-                EndKind.PREEMPTION: "a node is being reclaimed"}.get(EndKind.parse(kind), kind)
+        return {
+            EndKind.SWAP: "moving to spot",
+            EndKind.GROW: "growing the worker group",
+            EndKind.PREEMPTION: "a node is being reclaimed",
+        }.get(EndKind.parse(kind), kind)
 
     def running(self, world_size: int) -> None:
         if self.rank == 0:
@@ -98,4 +108,3 @@ def placement_watch(payload: dict | None, run_uri: str, rank: int):
     if placement is None:
         return NoPlacementWatch()
     return PlacementWatch(PlacementControl(run_uri), placement.id, rank, placement.endable, placement.follows)
-

@@ -121,9 +121,14 @@ class CommitReports:
         name = CheckpointStore.folder_name(result.step)
         checkpoint = None
         if self.rank == 0:
-            checkpoint = Checkpoint(self._storage.build_checkpoint_path_from_name(name),
-                                    filesystem=self._storage.storage_filesystem)
+            checkpoint = Checkpoint(
+                self._storage.build_checkpoint_path_from_name(name), filesystem=self._storage.storage_filesystem
+            )
         started = time.monotonic()
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
-                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        ray.train.report(
+            metrics,
+            checkpoint=checkpoint,
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+        )
         self._on_reported(time.monotonic() - started)

@@ -89,31 +89,54 @@ class Session:
         self.store = CheckpointStore(_run_uri(spec, self._storage))
         # Background saves run their collectives on a group of their own, apart from DDP's all-reduces.
         self._checkpoint_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.checkpointer = ShardedCheckpointer(self.store, self.rank, self.world_size, self._checkpoint_group,
-                                                on_commit=self._on_commit, on_failure=self._on_failed_save)
+        self.checkpointer = ShardedCheckpointer(
+            self.store,
+            self.rank,
+            self.world_size,
+            self._checkpoint_group,
+            on_commit=self._on_commit,
+            on_failure=self._on_failed_save,
+        )
         self._state = TrainingState(self.rank, self.world_size)
         self._step_hooks: list[StepHook] = []
         self._retention = Retention(self.store, spec.checkpoint.keep, spec.checkpoint.keep_every)
         self._cadence = CheckpointCadence(spec.checkpoint)
         self._chaos = Chaos(self.store, self.rank)
         self.checkpointer.fault_hook = self._chaos.maybe_kill_in_save
-        self._reports = CommitReports(self.rank, self._checkpoint_group, self._storage,
-                                      on_reported=lambda seconds: self._ending.jit.reported(seconds))
+        self._reports = CommitReports(
+            self.rank,
+            self._checkpoint_group,
+            self._storage,
+            on_reported=lambda seconds: self._ending.jit.reported(seconds),
+        )
         # The driver may ask this placement to end at a checkpoint (spot-first moving to spot, an elastic run
         # growing); a reclaim notice ends it at a just-in-time checkpoint.
-        self._ending = PlacementEnding(placement_watch(placement, self.store.run_uri, self.rank), self._reports,
-                                       self.rank, wait_for_save=self._wait_for_save)
+        self._ending = PlacementEnding(
+            placement_watch(placement, self.store.run_uri, self.rank),
+            self._reports,
+            self.rank,
+            wait_for_save=self._wait_for_save,
+        )
         self._ending.join(self.node_id, self.world_size, self._checkpoint_group)
-        self._ending.watch_notices(spec.checkpoint, in_flight=lambda: self.checkpointer.in_flight,
-                                   read_notice=self._chaos.notice_source(read_ray_notice))
-        self._ledger = SampleLedger(self.store.fs, self.store.root, self.rank, self.world_size, 0, attempt="") \
-            if audit_enabled() else NoLedger()
+        self._ending.watch_notices(
+            spec.checkpoint,
+            in_flight=lambda: self.checkpointer.in_flight,
+            read_notice=self._chaos.notice_source(read_ray_notice),
+        )
+        self._ledger = (
+            SampleLedger(self.store.fs, self.store.root, self.rank, self.world_size, 0, attempt="")
+            if audit_enabled()
+            else NoLedger()
+        )
         self._guard = NonFiniteGuard(spec.train.max_nonfinite_steps)
         self._optimizer_step: OptimizerStep | None = None
         self._last_saved_step: int | None = None
         self.restored_step: int | None = None
-        self.log(f"worker rank {self.rank}/{self.world_size} on node {self.node_id} market={self.market} "
-                 f"device={self.device}", all_ranks=True)
+        self.log(
+            f"worker rank {self.rank}/{self.world_size} on node {self.node_id} market={self.market} "
+            f"device={self.device}",
+            all_ranks=True,
+        )
 
     @property
     def is_chief(self) -> bool:
@@ -150,8 +173,13 @@ class Session:
         self._step_hooks.append(hook)
 
     # -- setup
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler=None,
-                checkpoint_layers=None):
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler=None,
+        checkpoint_layers=None,
+    ):
         """Move to this worker's device, wrap in DDP (also at world size 1, so `model.module` always works)
         and register model, optimizer and LR scheduler for checkpointing. Build the optimizer over
         `model.parameters()` before calling.
@@ -189,12 +217,20 @@ class Session:
         """Checkpoint and restore `obj` (LR scheduler, GradScaler, data loader...) under `name`."""
         self._state.tracked[name] = obj
 
-    def loader(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-               **dataloader_kwargs):
+    def loader(
+        self,
+        dataset,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        **dataloader_kwargs,
+    ):
         """An exactly-once, resumable loader over a map-style dataset for this rank (elastic.data), tracked
         so its position is checkpointed: after a restore at any worker count it continues where it was."""
-        sampler = ResumableSampler(len(dataset), batch_size, self.rank, self.world_size, seed=seed,
-                                   shuffle=shuffle, drop_last=drop_last)
+        sampler = ResumableSampler(
+            len(dataset), batch_size, self.rank, self.world_size, seed=seed, shuffle=shuffle, drop_last=drop_last
+        )
         loader = ResumableLoader(dataset, sampler, observer=self._ledger.on_batch, **dataloader_kwargs)
         if isinstance(self._ledger, SampleLedger):
             self._ledger.num_samples = len(dataset)
@@ -221,8 +257,10 @@ class Session:
         self.checkpointer.load(latest.step, state)
         self._state.load_state_dict(state)
         self.restored_step = self._last_saved_step = self.step_count
-        self.log(f"resumed from checkpoint at step {self.step_count} ({latest.uri}, written by "
-                 f"{latest.world_size} workers, now {self.world_size})")
+        self.log(
+            f"resumed from checkpoint at step {self.step_count} ({latest.uri}, written by "
+            f"{latest.world_size} workers, now {self.world_size})"
+        )
         return self.step_count
 
     # -- training loop
@@ -236,8 +274,10 @@ class Session:
         done, applied = self._optimizer_step.optimize(loss, self.step_count + 1)
         if done:
             if not applied:
-                self.log(f"step {self.step_count + 1}: non-finite loss, step skipped "
-                         f"({self._guard.in_a_row} in a row, {self._guard.skipped} in all)")
+                self.log(
+                    f"step {self.step_count + 1}: non-finite loss, step skipped "
+                    f"({self._guard.in_a_row} in a row, {self._guard.skipped} in all)"
+                )
             self.step(metrics)
         return done
 
@@ -266,8 +306,13 @@ class Session:
         self._log_failure(self.checkpointer.wait())  # at most one in flight
         self._ledger.flush(self.step_count)  # records cover every step a commit of this save includes
         self._reports.expect(self.step_count, metrics)
-        self.checkpointer.save(self.step_count, self._state.state_dict(), asynchronous=asynchronous,
-                               deferrable=self._state.changed_only_by_optimizer(), reason=reason)
+        self.checkpointer.save(
+            self.step_count,
+            self._state.state_dict(),
+            asynchronous=asynchronous,
+            deferrable=self._state.changed_only_by_optimizer(),
+            reason=reason,
+        )
         self._last_saved_step = self.step_count
         self._cadence.saved()
 
@@ -327,8 +372,10 @@ class Session:
         elastic.worker.reporting), prune (rank 0)."""
         self._ending.jit.saved(result.total_seconds)
         metrics = self._reports.metrics(result.step)
-        self.log(f"checkpoint at step {result.step} committed (stall {result.blocked_seconds * 1000:.1f} ms, "
-                 f"write {result.total_seconds:.2f} s): {_format(metrics)}")
+        self.log(
+            f"checkpoint at step {result.step} committed (stall {result.blocked_seconds * 1000:.1f} ms, "
+            f"write {result.total_seconds:.2f} s): {_format(metrics)}"
+        )
         self._reports.committed(result)
         if self.is_chief:
             pruned = self._retention.committed(result.step, result.files)

@@ -90,8 +90,16 @@ class TrialSetup:
         except _ProbeDone:
             _write_probe(session, fs, root, steps)
         except torch.OutOfMemoryError as err:
-            _write(fs, f"{root}/{OOM_FILE}", {"share": self.share, "step": session.step_count, "rank": session.rank,
-                                              "error": str(err).splitlines()[0][:300] if str(err) else "OOM"})
+            _write(
+                fs,
+                f"{root}/{OOM_FILE}",
+                {
+                    "share": self.share,
+                    "step": session.step_count,
+                    "rank": session.rank,
+                    "error": str(err).splitlines()[0][:300] if str(err) else "OOM",
+                },
+            )
             session.log(f"out of memory at step {session.step_count} with GPU share {self.share}", all_ranks=True)
             if session.world_size == 1:
                 return  # ends this fit without spending a failure budget; the trial driver retries bigger
@@ -114,8 +122,10 @@ class _StepWatch:
         self.times.append(now - self._last)
         self._last = now
         if self._inject and step == self._inject[0] and self.share < self._inject[1]:
-            raise torch.OutOfMemoryError(f"injected: CUDA out of memory at step {step} with GPU share "
-                                         f"{self.share} (< {self._inject[1]}; {INJECT_OOM_VARIABLE})")
+            raise torch.OutOfMemoryError(
+                f"injected: CUDA out of memory at step {step} with GPU share "
+                f"{self.share} (< {self._inject[1]}; {INJECT_OOM_VARIABLE})"
+            )
         if self.probe_steps and len(self.times) >= self.probe_steps:
             raise _ProbeDone()
 
@@ -131,8 +141,12 @@ def _parse_injection(text: str) -> tuple[int, float] | None:
 
 
 def _check_distinct_gpus(session, fs, root: str) -> None:
-    mine = {"rank": session.rank, "node": session.node_id,
-            "gpus": [str(g) for g in ray.get_gpu_ids()], "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    mine = {
+        "rank": session.rank,
+        "node": session.node_id,
+        "gpus": [str(g) for g in ray.get_gpu_ids()],
+        "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
     everyone = [None] * session.world_size
     if dist.is_initialized():
         dist.all_gather_object(everyone, mine)
@@ -143,8 +157,10 @@ def _check_distinct_gpus(session, fs, root: str) -> None:
         for gpu in entry["gpus"]:
             other = seen.setdefault((entry["node"], gpu), entry["rank"])
             if other != entry["rank"]:
-                raise SharedGPUError(f"ranks {other} and {entry['rank']} of this trial share GPU {gpu} on node "
-                                     f"{entry['node'][:12]}; DDP ranks need distinct GPUs")
+                raise SharedGPUError(
+                    f"ranks {other} and {entry['rank']} of this trial share GPU {gpu} on node "
+                    f"{entry['node'][:12]}; DDP ranks need distinct GPUs"
+                )
     if session.is_chief:
         _write(fs, f"{root}/{GPUS_FILE}", everyone)
 
@@ -160,14 +176,22 @@ def _write_probe(session, fs, root: str, steps: _StepWatch) -> None:
     cuda = session.device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(session.device) if cuda else 0
     device = torch.cuda.get_device_properties(session.device).total_memory if cuda else 0
-    warm = steps.times[len(steps.times) // 2:] or steps.times  # the first steps include warm-up
+    warm = steps.times[len(steps.times) // 2 :] or steps.times  # the first steps include warm-up
     values = torch.tensor([peak, sum(warm) / max(len(warm), 1)], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
     if session.is_chief:
-        _write(fs, f"{root}/{PROBE_FILE}", {"peak_bytes": int(values[0]), "device_bytes": int(device),
-                                            "step_seconds": float(values[1]), "cuda": cuda,
-                                            "steps": len(steps.times)})
+        _write(
+            fs,
+            f"{root}/{PROBE_FILE}",
+            {
+                "peak_bytes": int(values[0]),
+                "device_bytes": int(device),
+                "step_seconds": float(values[1]),
+                "cuda": cuda,
+                "steps": len(steps.times),
+            },
+        )
     _log.info(f"probe: {len(steps.times)} steps, peak {int(values[0]) / 2**30:.3f} GB")
 
 

@@ -71,13 +71,15 @@ class TrainingState:
     def state_dict(self) -> dict:
         state: dict[str, Any] = self._tensors()
         # One replicated blob for everything that is not a tensor: DCP writes it once.
-        state["elastic"] = pickle.dumps({
-            "step": self.step,
-            "world_size": self.world_size,
-            "rng": self._gather(self.world_size),
-            "tracked": {name: obj.state_dict() for name, obj in self.tracked.items()},
-            "extras": self.extras,
-        })
+        state["elastic"] = pickle.dumps(
+            {
+                "step": self.step,
+                "world_size": self.world_size,
+                "rng": self._gather(self.world_size),
+                "tracked": {name: obj.state_dict() for name, obj in self.tracked.items()},
+                "extras": self.extras,
+            }
+        )
         return state
 
     def template(self) -> dict:
@@ -89,8 +91,9 @@ class TrainingState:
 
     def load_state_dict(self, state: dict) -> None:
         if self.model is not None:
-            set_state_dict(self.model, self._optimizers(), model_state_dict=state["model"],
-                           optim_state_dict=state.get("optim", {}))
+            set_state_dict(
+                self.model, self._optimizers(), model_state_dict=state["model"], optim_state_dict=state.get("optim", {})
+            )
         blob = pickle.loads(state["elastic"])
         self.step = int(blob["step"])
         for name, obj in self.tracked.items():

@@ -25,16 +25,23 @@ class Cli:
     env: dict
 
     def run(self, *args: str, timeout: float = 600, check: bool = False) -> subprocess.CompletedProcess:
-        proc = subprocess.run([sys.executable, "-m", "elastic", *args], cwd=ROOT, env=self.env,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-m", "elastic", *args],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and proc.returncode != 0:
-            raise AssertionError(f"elastic {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise AssertionError(
+                f"elastic {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
         return proc
 
 
 def make_cli(home: Path) -> Cli:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RAY_", "AWS_")) and k != "ELASTIC_HOME"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_")) and k != "ELASTIC_HOME"}
     env["ELASTIC_HOME"] = str(home)
     return Cli(env)
 

@@ -15,8 +15,16 @@ from pathlib import Path
 import pytest
 
 # Variables that would send boto3/s3fs elsewhere or pick up a developer's own credentials.
-AWS_VARIABLES_TO_CLEAR = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_EC2", "AWS_ENDPOINT_URL_IAM", "AWS_PROFILE",
-                          "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
+AWS_VARIABLES_TO_CLEAR = (
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ENDPOINT_URL_EC2",
+    "AWS_ENDPOINT_URL_IAM",
+    "AWS_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CONFIG_FILE",
+)
 
 
 def free_port() -> int:
@@ -39,14 +47,19 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> N
 
 
 @contextmanager
-def running_moto(log_dir: Path, region: str = "us-east-1", server_env: dict | None = None,
-                 extra: dict | None = None) -> Iterator[dict]:
+def running_moto(
+    log_dir: Path, region: str = "us-east-1", server_env: dict | None = None, extra: dict | None = None
+) -> Iterator[dict]:
     """Start moto_server, set the AWS environment to it (plus `extra`), yield that environment."""
     port = free_port()
     binary = Path(sys.executable).parent / "moto_server"
     with open(log_dir / "moto.log", "wb") as log:
-        proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)], stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, **(server_env or {})})
+        proc = subprocess.Popen(
+            [str(binary), "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(server_env or {})},
+        )
     try:
         wait_for_port(port, proc)
         env = {

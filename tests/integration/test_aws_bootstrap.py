@@ -37,9 +37,12 @@ def moto_aws(tmp_path_factory):
     """moto's server (EC2, IAM, S3...) for the module, with the AWS environment and a temporary HOME (Ray writes
     the generated SSH key to ~/.ssh) in os.environ, restored afterwards."""
     home = tmp_path_factory.mktemp("home")
-    with running_moto(tmp_path_factory.mktemp("moto"), region=REGION,
-                      server_env={"MOTO_IAM_LOAD_MANAGED_POLICIES": "true"},
-                      extra={"AWS_DEFAULT_REGION": REGION, "HOME": str(home)}) as settings:
+    with running_moto(
+        tmp_path_factory.mktemp("moto"),
+        region=REGION,
+        server_env={"MOTO_IAM_LOAD_MANAGED_POLICIES": "true"},
+        extra={"AWS_DEFAULT_REGION": REGION, "HOME": str(home)},
+    ) as settings:
         yield settings
 
 
@@ -51,12 +54,16 @@ def _create_instance_profiles() -> None:
     trust = (IAM / "trust-policy.json").read_text()
     for name in ("elastic-head", "elastic-worker"):
         iam.create_role(RoleName=name, AssumeRolePolicyDocument=trust)
-        iam.put_role_policy(RoleName=name, PolicyName=f"{name}-policy",
-                            PolicyDocument=(IAM / f"{name.split('-')[1]}-policy.json").read_text())
+        iam.put_role_policy(
+            RoleName=name,
+            PolicyName=f"{name}-policy",
+            PolicyDocument=(IAM / f"{name.split('-')[1]}-policy.json").read_text(),
+        )
         iam.create_instance_profile(InstanceProfileName=name)
         iam.add_role_to_instance_profile(InstanceProfileName=name, RoleName=name)
     boto3.client("s3", region_name=REGION).create_bucket(
-        Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": REGION})
+        Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": REGION}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +109,8 @@ def test_bootstrap_creates_key_pair_subnets_and_ssh_only_security_group(bootstra
     # Security group: the configured name, in that VPC, used by every node type; inbound only from the group
     # itself (Ray, NCCL between nodes) and SSH; nothing else open to anyone.
     groups = ec2.describe_security_groups(Filters=[{"Name": "group-name", "Values": ["elastic-spot-gpu"]}])[
-        "SecurityGroups"]
+        "SecurityGroups"
+    ]
     assert len(groups) == 1
     group = groups[0]
     assert group["VpcId"] == default_vpc
@@ -132,13 +140,16 @@ def test_bootstrap_keeps_scoped_instance_profiles_and_detected_gpus(bootstrapped
     # Workers may touch the checkpoint bucket and nothing else.
     document = iam.get_role_policy(RoleName="elastic-worker", PolicyName="elastic-worker-policy")["PolicyDocument"]
     document = json.loads(document) if isinstance(document, str) else document
-    resources = {r for s in document["Statement"] for r in ([s["Resource"]] if isinstance(s["Resource"], str)
-                                                            else s["Resource"])}
+    resources = {
+        r for s in document["Statement"] for r in ([s["Resource"]] if isinstance(s["Resource"], str) else s["Resource"])
+    }
     assert resources == {f"arn:aws:s3:::{BUCKET}", f"arn:aws:s3:::{BUCKET}/*"}
     assert all(a.startswith("s3:") for s in document["Statement"] for a in s["Action"])
     # Ray filled resources from DescribeInstanceTypes: the instance types exist in the region and have the GPU the
     # config declares.
-    assert types["gpu_spot_g5"]["resources"]["GPU"] == 1 and "accelerator_type:A10G" in types["gpu_spot_g5"]["resources"]
+    assert (
+        types["gpu_spot_g5"]["resources"]["GPU"] == 1 and "accelerator_type:A10G" in types["gpu_spot_g5"]["resources"]
+    )
     assert "accelerator_type:L4" in types["gpu_spot_g6"]["resources"]
     assert types["head"]["resources"]["CPU"] == 0
 
@@ -157,8 +168,13 @@ def _launch(provider, config: dict, node_type: str, kind: str) -> str:
     node_config = copy.deepcopy(config["available_node_types"][node_type]["node_config"])
     if kind == "head":
         node_config.update(config["head_node"])
-    tags = {TAG_RAY_NODE_NAME: f"ray-{config['cluster_name']}-{kind}", TAG_RAY_NODE_KIND: kind,
-            TAG_RAY_NODE_STATUS: "uninitialized", TAG_RAY_LAUNCH_CONFIG: "test", TAG_RAY_USER_NODE_TYPE: node_type}
+    tags = {
+        TAG_RAY_NODE_NAME: f"ray-{config['cluster_name']}-{kind}",
+        TAG_RAY_NODE_KIND: kind,
+        TAG_RAY_NODE_STATUS: "uninitialized",
+        TAG_RAY_LAUNCH_CONFIG: "test",
+        TAG_RAY_USER_NODE_TYPE: node_type,
+    }
     created = provider.create_node(node_config, tags, 1)
     assert len(created) == 1
     return next(iter(created))
@@ -207,8 +223,11 @@ def test_launch_spot_and_on_demand_nodes_then_terminate(bootstrapped):
     assert set(workers) == {ids["gpu_spot_g5"], ids["gpu_spot_g6"], ids["gpu_ondemand"]}
     assert provider.node_tags(ids["gpu_spot_g5"])[TAG_RAY_USER_NODE_TYPE] == "gpu_spot_g5"
     provider.terminate_nodes(list(ids.values()))
-    states = {i["InstanceId"]: i["State"]["Name"] for r in ec2.describe_instances(
-        InstanceIds=list(ids.values()))["Reservations"] for i in r["Instances"]}
+    states = {
+        i["InstanceId"]: i["State"]["Name"]
+        for r in ec2.describe_instances(InstanceIds=list(ids.values()))["Reservations"]
+        for i in r["Instances"]
+    }
     assert set(states.values()) <= {"shutting-down", "terminated"}, states
     assert provider.non_terminated_nodes({}) == []
 
@@ -234,6 +253,7 @@ def test_ray_default_iam_role_when_the_head_names_no_profile(moto_aws, monkeypat
     profile = iam.get_instance_profile(InstanceProfileName="ray-autoscaler-v1")["InstanceProfile"]
     assert config["head_node"]["IamInstanceProfile"] == {"Arn": profile["Arn"]}
     assert [r["RoleName"] for r in profile["Roles"]] == ["ray-autoscaler-v1"]
-    attached = {p["PolicyName"] for p in iam.list_attached_role_policies(RoleName="ray-autoscaler-v1")[
-        "AttachedPolicies"]}
+    attached = {
+        p["PolicyName"] for p in iam.list_attached_role_policies(RoleName="ray-autoscaler-v1")["AttachedPolicies"]
+    }
     assert attached == {"AmazonEC2FullAccess", "AmazonS3FullAccess"}

@@ -30,8 +30,13 @@ def s3_env(moto_s3):
     """The module's S3 endpoint (conftest.moto_s3) with bucket `bucket`."""
     import boto3
 
-    boto3.client("s3", endpoint_url=moto_s3["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=BUCKET)
+    boto3.client(
+        "s3",
+        endpoint_url=moto_s3["AWS_ENDPOINT_URL"],
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    ).create_bucket(Bucket=BUCKET)
     return moto_s3
 
 
@@ -46,7 +51,7 @@ def keys_under(env, prefix: str, bucket: str = BUCKET) -> dict[str, int]:
     out = {}
     for page in s3_client(env).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
-            out[obj["Key"][len(prefix):].lstrip("/")] = obj["Size"]
+            out[obj["Key"][len(prefix) :].lstrip("/")] = obj["Size"]
     return out
 
 
@@ -58,8 +63,9 @@ def _build(seed: int):
     import torch
 
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                               torch.nn.Linear(64, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)
+    )
 
 
 def _train(model, optimizer, rank: int, first_step: int, steps: int) -> None:
@@ -136,8 +142,13 @@ def _ballast(megabytes: int) -> dict:
 def _result_json(result) -> dict | None:
     if result is None:
         return None
-    return {"step": result.step, "committed": result.committed, "error": result.error,
-            "attempts": result.attempts, "blocked_seconds": result.blocked_seconds}
+    return {
+        "step": result.step,
+        "committed": result.committed,
+        "error": result.error,
+        "attempts": result.attempts,
+        "blocked_seconds": result.blocked_seconds,
+    }
 
 
 def _write(out: Path, name: str, payload) -> None:
@@ -168,8 +179,9 @@ def _worker(rank: int, world: int, port: int, env: dict, out: str, scenarios: li
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.get("group_timeout", 120)))
         store = CheckpointStore(args["run_uri"])
-        checkpointer = ShardedCheckpointer(store, rank, world, group, retries=args.get("retries", 3),
-                                           backoff_seconds=args.get("backoff", 0.1))
+        checkpointer = ShardedCheckpointer(
+            store, rank, world, group, retries=args.get("retries", 3), backoff_seconds=args.get("backoff", 0.1)
+        )
         report: dict = {"rank": rank, "world": world, "env_endpoint": os.environ.get("AWS_ENDPOINT_URL")}
         SCENARIOS[name](rank, world, model, optimizer, store, checkpointer, Path(out), args, report)
         _write(Path(out), f"{name}-rank{rank}.json", report)
@@ -433,33 +445,48 @@ def w2_run(s3_env, tmp_path_factory):
     last, a hard exit with a large save in flight (a committed checkpoint saved first)."""
     out = tmp_path_factory.mktemp("w2")
     snapshot = out / "snapshot.pt"
-    reports = spawn(2, s3_env, out, [
-        ("save_async", {"run_uri": RUN_X, "step": SAVED_STEP, "snapshot": str(snapshot)}),
-        ("load_counted", {"run_uri": RUN_X, "step": SAVED_STEP, "seed": 1234, "snapshot": str(snapshot)}),
-        ("load_owner_fails", {"run_uri": RUN_X, "step": SAVED_STEP, "group_timeout": 60}),
-        ("fail", {"run_uri": NO_BUCKET, "step": 5, "retries": 1, "backoff": 0.1}),
-        ("upload_fails_on_one_rank", {"run_uri": RUN_UPLOAD_FAILS, "good_step": 3, "step": 6, "retries": 1}),
-        ("commit_fails_once", {"run_uri": RUN_FLAKY, "step": 7, "retries": 1, "group_timeout": 4}),
-        ("kill", {"run_uri": RUN_KILL, "good_step": 10, "torn_step": 20, "ballast_mb": 64}),
-    ])
+    reports = spawn(
+        2,
+        s3_env,
+        out,
+        [
+            ("save_async", {"run_uri": RUN_X, "step": SAVED_STEP, "snapshot": str(snapshot)}),
+            ("load_counted", {"run_uri": RUN_X, "step": SAVED_STEP, "seed": 1234, "snapshot": str(snapshot)}),
+            ("load_owner_fails", {"run_uri": RUN_X, "step": SAVED_STEP, "group_timeout": 60}),
+            ("fail", {"run_uri": NO_BUCKET, "step": 5, "retries": 1, "backoff": 0.1}),
+            ("upload_fails_on_one_rank", {"run_uri": RUN_UPLOAD_FAILS, "good_step": 3, "step": 6, "retries": 1}),
+            ("commit_fails_once", {"run_uri": RUN_FLAKY, "step": 7, "retries": 1, "group_timeout": 4}),
+            ("kill", {"run_uri": RUN_KILL, "good_step": 10, "torn_step": 20, "ballast_mb": 64}),
+        ],
+    )
     return {"reports": reports, "snapshot": snapshot}
 
 
 @pytest.fixture(scope="module")
 def w1_run(s3_env, w2_run, tmp_path_factory):
     """W=1: load the W=2 checkpoint."""
-    return spawn(1, s3_env, tmp_path_factory.mktemp("w1"), [
-        ("load", {"run_uri": RUN_X, "step": SAVED_STEP, "seed": 1234, "snapshot": str(w2_run["snapshot"])}),
-    ])
+    return spawn(
+        1,
+        s3_env,
+        tmp_path_factory.mktemp("w1"),
+        [
+            ("load", {"run_uri": RUN_X, "step": SAVED_STEP, "seed": 1234, "snapshot": str(w2_run["snapshot"])}),
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
 def w3_run(s3_env, w2_run, tmp_path_factory):
     """W=3: load the W=2 checkpoint; then a save whose processes die just before the commit marker."""
-    return spawn(3, s3_env, tmp_path_factory.mktemp("w3"), [
-        ("load", {"run_uri": RUN_X, "step": SAVED_STEP, "seed": 1234, "snapshot": str(w2_run["snapshot"])}),
-        ("kill_before_marker", {"run_uri": RUN_KILL_LATE, "good_step": 10, "torn_step": 20}),
-    ])
+    return spawn(
+        3,
+        s3_env,
+        tmp_path_factory.mktemp("w3"),
+        [
+            ("load", {"run_uri": RUN_X, "step": SAVED_STEP, "seed": 1234, "snapshot": str(w2_run["snapshot"])}),
+            ("kill_before_marker", {"run_uri": RUN_KILL_LATE, "good_step": 10, "torn_step": 20}),
+        ],
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -621,10 +648,17 @@ def test_a_transient_marker_failure_on_rank_0_leaves_all_ranks_agreeing(w2_run):
 
 def _commit_elsewhere(env: dict, run_uri: str, *steps: int) -> None:
     """Commit from another process (a training worker), as the real system does."""
-    code = ("import sys; from elastic.checkpoint.store import CheckpointStore; s = CheckpointStore(sys.argv[1]); "
-            "[s.commit(int(a), 1) for a in sys.argv[2:]]")
-    subprocess.run([sys.executable, "-c", code, run_uri, *map(str, steps)], env={**os.environ, **env},
-                   check=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+    code = (
+        "import sys; from elastic.checkpoint.store import CheckpointStore; s = CheckpointStore(sys.argv[1]); "
+        "[s.commit(int(a), 1) for a in sys.argv[2:]]"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, run_uri, *map(str, steps)],
+        env={**os.environ, **env},
+        check=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
 
 
 def _write_folder(store, step: int) -> None:
@@ -654,8 +688,10 @@ def test_retain_never_deletes_a_checkpoint_another_process_committed(s3_env):
     _write_folder(store, 20)
     _commit_elsewhere(s3_env, run_uri, 10, 20)
     store.retain(keep=2)
-    assert set(keys_under(s3_env, "run-stale-retain/")) >= {"step-000000010/COMMITTED.json",
-                                                             "step-000000020/COMMITTED.json"}
+    assert set(keys_under(s3_env, "run-stale-retain/")) >= {
+        "step-000000010/COMMITTED.json",
+        "step-000000020/COMMITTED.json",
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------

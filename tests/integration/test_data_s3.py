@@ -55,8 +55,10 @@ def test_parquet_dataset_reads_every_row_from_s3(s3_data):
 def test_resume_from_two_workers_to_one_on_s3_is_exactly_once(s3_data):
     def loaders(world: int) -> list[ResumableLoader]:
         dataset = ParquetDataset(s3_data, columns=["id"])
-        return [ResumableLoader(dataset, ResumableSampler(len(dataset), 4, rank, world, seed=21), num_workers=2)
-                for rank in range(world)]
+        return [
+            ResumableLoader(dataset, ResumableSampler(len(dataset), 4, rank, world, seed=21), num_workers=2)
+            for rank in range(world)
+        ]
 
     seen: list[int] = []
     first = loaders(2)

@@ -65,12 +65,39 @@ def test_logical_gpus_run_the_gpu_path_on_cpu(tmp_path_factory, cli_factory):
     """--gpus-per-node declares logical GPUs: a job asking for GPUs is scheduled by them and trains on gloo."""
     cli = cli_factory(tmp_path_factory.mktemp("elastic-home-gpu"))
     try:
-        up = json.loads(cli.run("local", "up", "--spot", "1", "--on-demand", "0", "--gpus-per-node", "2",
-                                "--json", check=True, timeout=300).stdout)
+        up = json.loads(
+            cli.run(
+                "local",
+                "up",
+                "--spot",
+                "1",
+                "--on-demand",
+                "0",
+                "--gpus-per-node",
+                "2",
+                "--json",
+                check=True,
+                timeout=300,
+            ).stdout
+        )
         assert [n["gpus"] for n in up["nodes"] if n["role"] == "worker"] == [2]
-        proc = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "gpu", "--set", "workers.gpus=1",
-                       "--set", "workers.min=2", "--set", "workers.cpus=0.5", "--set", "config.epochs=1", "--follow",
-                       check=True, timeout=300)
+        proc = cli.run(
+            "submit",
+            "jobs/digits_ddp.yaml",
+            "--suffix",
+            "gpu",
+            "--set",
+            "workers.gpus=1",
+            "--set",
+            "workers.min=2",
+            "--set",
+            "workers.cpus=0.5",
+            "--set",
+            "config.epochs=1",
+            "--follow",
+            check=True,
+            timeout=300,
+        )
         assert "SUCCEEDED" in proc.stdout
         assert len({m[1] for m in WORKER_LINE.finditer(proc.stdout)}) == 2  # two ranks, one logical GPU each
     finally:

@@ -26,8 +26,9 @@ RESUMED_LINE = re.compile(r"resumed from checkpoint at step (\d+) \(\S+, written
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     cli = make_cli(tmp_path_factory.mktemp("elastic-home"))
-    info = json.loads(cli.run("local", "up", "--spot", "3", "--on-demand", "1", "--json", check=True,
-                              timeout=300).stdout)
+    info = json.loads(
+        cli.run("local", "up", "--spot", "3", "--on-demand", "1", "--json", check=True, timeout=300).stdout
+    )
     info["cli"] = cli
     yield info
     cli.run("local", "down", timeout=120)
@@ -37,9 +38,14 @@ class Submission:
     """`elastic submit ... --follow` in the background, its output collected as it comes."""
 
     def __init__(self, cli, *args: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "elastic", "submit", "jobs/digits_ddp.yaml", *args,
-                                      "--follow"], cwd=ROOT, env=cli.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic", "submit", "jobs/digits_ddp.yaml", *args, "--follow"],
+            cwd=ROOT,
+            env=cli.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self._reader.start()
@@ -113,8 +119,9 @@ def summary(stack, run: str) -> dict:
 @pytest.fixture(scope="module")
 def baseline(stack) -> dict:
     """The uninterrupted run (2 workers) every fixed-count recovery must end equal to."""
-    stack["cli"].run("submit", "jobs/digits_ddp.yaml", "--suffix", "base", "--set", f"config.epochs={EPOCHS}",
-                     "--follow", check=True)
+    stack["cli"].run(
+        "submit", "jobs/digits_ddp.yaml", "--suffix", "base", "--set", f"config.epochs={EPOCHS}", "--follow", check=True
+    )
     return final_tensors(stack, "digits-ddp-base")
 
 
@@ -134,8 +141,10 @@ def test_noticed_reclaim_resumes_from_the_just_in_time_checkpoint_with_nothing_l
     assert resumed == [(jit[0], 2, 2)]  # from the just-in-time step: zero steps lost
     assert "[FailurePolicy] RETRY" not in output  # the placement ended cleanly; Ray restarted nothing
     placements = summary(stack, "digits-ddp-notice")["placements"]
-    assert [(p["workers"], p.get("ended_by"), p.get("ended_at_step")) for p in placements] == \
-        [(2, "preemption", jit[0]), (2, None, None)]
+    assert [(p["workers"], p.get("ended_by"), p.get("ended_at_step")) for p in placements] == [
+        (2, "preemption", jit[0]),
+        (2, None, None),
+    ]
     assert_same_weights(final_tensors(stack, "digits-ddp-notice"), baseline)
 
 
@@ -144,8 +153,17 @@ def test_two_spot_nodes_reclaimed_at_once_shrink_the_run_and_every_sample_is_see
     from elastic.worker.audit import check_exactly_once, read_history
 
     cli = stack["cli"]
-    run = Submission(cli, "--suffix", "shrink", "--set", f"config.epochs={EPOCHS}", "--set", "workers.min=1",
-                     "--set", "runtime_env.env_vars.ELASTIC_AUDIT=1")
+    run = Submission(
+        cli,
+        "--suffix",
+        "shrink",
+        "--set",
+        f"config.epochs={EPOCHS}",
+        "--set",
+        "workers.min=1",
+        "--set",
+        "runtime_env.env_vars.ELASTIC_AUDIT=1",
+    )
     run.wait_for("epoch 2 step")
     # Like nodes come back 5 s after the kill (as an autoscaler would): the run, shrunk to the one spot node
     # left, grows back to 2 at a checkpoint once they have been free for workers.regrow_after_seconds.

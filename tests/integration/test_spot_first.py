@@ -24,15 +24,23 @@ WORKER_LINE = re.compile(r"worker rank (\d+)/(\d+) on node ([0-9a-f]+) market=(\
 EPOCHS = 6
 FINAL_STEP = EPOCHS * 23  # 1,437 training samples, 2 workers x batches of 32: 23 steps per epoch
 COMMON = [
-    "--set", "workers.market=spot-first",
-    "--set", f"config.epochs={EPOCHS}",
-    "--set", "checkpoint.every_steps=20",
-    "--set", "runtime_env.env_vars.ELASTIC_PLACEMENT_POLL_SECONDS='1'",
+    "--set",
+    "workers.market=spot-first",
+    "--set",
+    f"config.epochs={EPOCHS}",
+    "--set",
+    "checkpoint.every_steps=20",
+    "--set",
+    "runtime_env.env_vars.ELASTIC_PLACEMENT_POLL_SECONDS='1'",
 ]
 # Steps sleep while on on-demand (tests/integration/jobs/slow_on_demand.py), so spot returns mid-run however
 # slow the machine; the numbers trained are the digits job's own.
-SLOW = ["--set", "entrypoint=tests/integration/jobs/slow_on_demand.py:train",
-        "--set", "config.on_demand_step_delay=0.4"]
+SLOW = [
+    "--set",
+    "entrypoint=tests/integration/jobs/slow_on_demand.py:train",
+    "--set",
+    "config.on_demand_step_delay=0.4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -89,20 +97,33 @@ def test_spot_first_falls_back_to_on_demand_then_swaps_to_spot_at_a_checkpoint(s
     cli, run = stack["cli"], "digits-ddp-swap"
     on_demand = {n["node_id"] for n in stack["nodes"] if n["market"] == "on-demand" and n["role"] == "worker"}
     jobs = jobs_client(stack, monkeypatch)
-    submitted = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "swap", *COMMON, *SLOW,
-                        "--set", "workers.spot_wait_seconds=5", "--json", check=True)
+    submitted = cli.run(
+        "submit",
+        "jobs/digits_ddp.yaml",
+        "--suffix",
+        "swap",
+        *COMMON,
+        *SLOW,
+        "--set",
+        "workers.spot_wait_seconds=5",
+        "--json",
+        check=True,
+    )
     job_id = json.loads(submitted.stdout)["job_id"]
 
     # 1. No spot node: after 5 s the driver says why and the workers train on on-demand.
     logs = wait_for_log(jobs, job_id, "checkpoint at step 20 committed", timeout=150)
-    assert ("placement: on-demand: spot capacity was not granted within 5 s (0 of 2 spot worker slot(s) free); "
-            "falling back to on-demand") in logs
+    assert (
+        "placement: on-demand: spot capacity was not granted within 5 s (0 of 2 spot worker slot(s) free); "
+        "falling back to on-demand"
+    ) in logs
     assert {(rank, market) for rank, _, market in placements(logs)} == {(0, "on-demand"), (1, "on-demand")}
     assert {node for _, node, _ in placements(logs)} <= on_demand
 
     # 2. Spot capacity returns: one spot node with room for both workers.
-    spot = json.loads(cli.run("local", "add-node", "--market", "spot", "--cpus", "2", "--json", check=True,
-                              timeout=180).stdout)
+    spot = json.loads(
+        cli.run("local", "add-node", "--market", "spot", "--cpus", "2", "--json", check=True, timeout=180).stdout
+    )
     assert spot["market"] == "spot" and spot["role"] == "worker" and spot["name"] == "spot-0"
     assert wait_for_end(jobs, job_id, timeout=240) == "SUCCEEDED"
     logs = jobs.get_job_logs(job_id)
@@ -117,16 +138,20 @@ def test_spot_first_falls_back_to_on_demand_then_swaps_to_spot_at_a_checkpoint(s
     starts = placements(logs)
     assert {(r, m) for r, _, m in starts[:2]} == {(0, "on-demand"), (1, "on-demand")}, trace
     assert {n for _, n, _ in starts[:2]} <= on_demand, trace
-    assert starts[2:] and {(r, n, m) for r, n, m in starts[2:]} == {(0, spot["node_id"], "spot"),
-                                                                    (1, spot["node_id"], "spot")}, trace
+    assert starts[2:] and {(r, n, m) for r, n, m in starts[2:]} == {
+        (0, spot["node_id"], "spot"),
+        (1, spot["node_id"], "spot"),
+    }, trace
     assert len(starts) == 4, trace
     # The swap ended the placement cleanly: Ray Train saw a finished run, not a failure to retry.
     assert "FailurePolicy" not in logs and "RETRY" not in logs, trace
 
     result = summary(stack["env"], stack["bucket"], run)
     assert result["status"] == "SUCCEEDED" and result["metrics"]["step"] == FINAL_STEP
-    assert [(p["market"], p.get("ended_at_step")) for p in result["placements"]] == [("on-demand", step),
-                                                                                     ("spot", None)]
+    assert [(p["market"], p.get("ended_at_step")) for p in result["placements"]] == [
+        ("on-demand", step),
+        ("spot", None),
+    ]
 
     # The request and acknowledgement objects are gone from the run folder once the driver has acted on them.
     assert not [k for k in run_keys(stack, run) if "elastic-placement" in k]
@@ -142,8 +167,18 @@ def test_the_swapped_run_is_bit_identical_to_an_uninterrupted_one(stack, monkeyp
     import torch
 
     cli, run = stack["cli"], "digits-ddp-straight"
-    proc = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "straight", *COMMON,
-                   "--set", "workers.spot_wait_seconds=60", "--follow", check=True, timeout=300)
+    proc = cli.run(
+        "submit",
+        "jobs/digits_ddp.yaml",
+        "--suffix",
+        "straight",
+        *COMMON,
+        "--set",
+        "workers.spot_wait_seconds=60",
+        "--follow",
+        check=True,
+        timeout=300,
+    )
     assert "placement: spot: spot capacity for 2 worker(s) is free (2 slot(s))" in proc.stdout
     assert "placement: wait:" not in proc.stdout  # no waiting when spot is free
     assert {m for _, _, m in placements(proc.stdout)} == {"spot"} and len(placements(proc.stdout)) == 2
@@ -164,8 +199,13 @@ def test_the_swapped_run_is_bit_identical_to_an_uninterrupted_one(stack, monkeyp
 def s3(env: dict):
     import boto3
 
-    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_REGION"],
-                        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+    return boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        region_name=env["AWS_REGION"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+    )
 
 
 def summary(env: dict, bucket: str, run: str) -> dict:

@@ -17,8 +17,13 @@ WORKER_LINE = re.compile(r"worker rank (\d+)/(\d+) on node ([0-9a-f]+) market=(\
 
 
 def s3(env: dict):
-    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_REGION"],
-                        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+    return boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        region_name=env["AWS_REGION"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+    )
 
 
 def list_keys(env: dict, bucket: str, prefix: str) -> list[str]:
@@ -51,8 +56,9 @@ def test_local_up_reports_labeled_nodes_and_bucket(stack, stack_env):
 
 def test_submit_trains_on_spot_nodes_and_checkpoints_to_s3(stack, stack_env):
     cli = stack["cli"]
-    proc = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", RUN_SUFFIX, "--set", "config.epochs=3",
-                   "--follow", check=True)
+    proc = cli.run(
+        "submit", "jobs/digits_ddp.yaml", "--suffix", RUN_SUFFIX, "--set", "config.epochs=3", "--follow", check=True
+    )
     assert "SUCCEEDED" in proc.stdout
     spot_ids = {n["node_id"] for n in stack["nodes"] if n["market"] == "spot"}
     placements = {(int(m[1]), m[3], m[4]) for m in WORKER_LINE.finditer(proc.stdout)}
@@ -69,8 +75,10 @@ def test_submit_trains_on_spot_nodes_and_checkpoints_to_s3(stack, stack_env):
     verify = cli.run("checkpoints", "verify", RUN_NAME, check=True)
     assert "step-000000069: ok (2 shards" in verify.stdout
     listing = json.loads(cli.run("checkpoints", "ls", RUN_NAME, "--json", check=True).stdout)
-    assert [(c["step"], c["committed"], c["shards"], c["reason"]) for c in listing] == \
-        [(50, True, 2, "periodic"), (69, True, 2, "final")]
+    assert [(c["step"], c["committed"], c["shards"], c["reason"]) for c in listing] == [
+        (50, True, 2, "periodic"),
+        (69, True, 2, "final"),
+    ]
     result = summary(stack_env, stack["bucket"], RUN_NAME)
     assert result["status"] == "SUCCEEDED"
     assert result["metrics"]["step"] == 69
@@ -79,8 +87,9 @@ def test_submit_trains_on_spot_nodes_and_checkpoints_to_s3(stack, stack_env):
 
 def test_resubmitting_the_same_job_resumes_its_run(stack, stack_env):
     cli = stack["cli"]
-    proc = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", RUN_SUFFIX, "--set", "config.epochs=4",
-                   "--follow", check=True)
+    proc = cli.run(
+        "submit", "jobs/digits_ddp.yaml", "--suffix", RUN_SUFFIX, "--set", "config.epochs=4", "--follow", check=True
+    )
     assert "resumed from checkpoint at step 69" in proc.stdout
     result = summary(stack_env, stack["bucket"], RUN_NAME)
     assert result["metrics"]["step"] == 92  # one more epoch of 23 steps, not four from scratch
@@ -95,26 +104,54 @@ def test_a_run_resumes_at_a_different_worker_count(stack, stack_env):
     """Written by 2 workers, resumed by 1: model and optimizer reshard, and the data continues from the global
     sample stream's position (epoch 2 on one worker is 45 steps of 32 samples, not 23 steps of 2 x 32)."""
     cli = stack["cli"]
-    cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "resize", "--set", "config.epochs=1", "--follow",
-            check=True)
-    one = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "resize", "--set", "config.epochs=2",
-                  "--set", "workers.min=1", "--set", "workers.max=1", "--follow", check=True)
+    cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "resize", "--set", "config.epochs=1", "--follow", check=True)
+    one = cli.run(
+        "submit",
+        "jobs/digits_ddp.yaml",
+        "--suffix",
+        "resize",
+        "--set",
+        "config.epochs=2",
+        "--set",
+        "workers.min=1",
+        "--set",
+        "workers.max=1",
+        "--follow",
+        check=True,
+    )
     assert "resumed from checkpoint at step 23" in one.stdout and "written by 2 workers, now 1" in one.stdout
     result = summary(stack_env, stack["bucket"], "digits-ddp-resize")
     assert result["metrics"]["step"] == 23 + 45  # 1,437 samples in batches of 32 on one worker: 45 steps
     assert result["metrics"]["accuracy"] > 0.8
 
     # Submitting a finished run again trains nothing and rewrites no checkpoint, yet reports its result.
-    before = {c["step"]: c["time"] for c in json.loads(cli.run("checkpoints", "ls", "digits-ddp-resize",
-                                                               "--json", check=True).stdout)}
-    again = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "resize", "--set", "config.epochs=2",
-                    "--set", "workers.min=1", "--set", "workers.max=1", "--follow", check=True)
+    before = {
+        c["step"]: c["time"]
+        for c in json.loads(cli.run("checkpoints", "ls", "digits-ddp-resize", "--json", check=True).stdout)
+    }
+    again = cli.run(
+        "submit",
+        "jobs/digits_ddp.yaml",
+        "--suffix",
+        "resize",
+        "--set",
+        "config.epochs=2",
+        "--set",
+        "workers.min=1",
+        "--set",
+        "workers.max=1",
+        "--follow",
+        check=True,
+    )
     assert "resumed from checkpoint at step 68" in again.stdout
-    after = {c["step"]: c["time"] for c in json.loads(cli.run("checkpoints", "ls", "digits-ddp-resize",
-                                                              "--json", check=True).stdout)}
+    after = {
+        c["step"]: c["time"]
+        for c in json.loads(cli.run("checkpoints", "ls", "digits-ddp-resize", "--json", check=True).stdout)
+    }
     assert after == before
-    assert summary(stack_env, stack["bucket"], "digits-ddp-resize")["metrics"]["accuracy"] == \
-        result["metrics"]["accuracy"]
+    assert (
+        summary(stack_env, stack["bucket"], "digits-ddp-resize")["metrics"]["accuracy"] == result["metrics"]["accuracy"]
+    )
 
 
 def load_final_state(env: dict, run_uri: str, step: int) -> dict:
@@ -135,8 +172,11 @@ def load_final_state(env: dict, run_uri: str, step: int) -> dict:
         metadata = reader.read_metadata()
         import torch
 
-        state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-                 for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+        state = {
+            key: torch.empty(meta.size, dtype=meta.properties.dtype)
+            for key, meta in metadata.state_dict_metadata.items()
+            if isinstance(meta, TensorStorageMetadata)
+        }
         dcp.load(state, storage_reader=FsspecReader(store.uri(step), **store.writer_options()), no_dist=True)
         return state
     finally:
@@ -152,14 +192,23 @@ def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env):
     cli = stack["cli"]
     common = ["--set", "config.epochs=2", "--set", "checkpoint.every_steps=10", "--follow"]
     cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "eq-clean", *common, check=True)
-    killed = cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "eq-killed", *common,
-                     "--set", "runtime_env.env_vars.ELASTIC_CHAOS_KILL_AT=21:1,37:0", check=True)
+    killed = cli.run(
+        "submit",
+        "jobs/digits_ddp.yaml",
+        "--suffix",
+        "eq-killed",
+        *common,
+        "--set",
+        "runtime_env.env_vars.ELASTIC_CHAOS_KILL_AT=21:1,37:0",
+        check=True,
+    )
     assert killed.stdout.count("chaos: killing rank") == 2
     resumed_at = sorted({int(s) for s in re.findall(r"resumed from checkpoint at step (\d+)", killed.stdout)})
     # A kill lands while the newest checkpoint may still be uploading (an upload takes ~0.3 s, a step ~10 ms):
     # a torn checkpoint is never loaded, the run resumes from the one before. Which one depends on timing.
-    assert len(resumed_at) == 2 and resumed_at[0] in (10, 20) and resumed_at[1] in (20, 30), \
-        "\n".join(line for line in killed.stdout.splitlines() if "[elastic]" in line)
+    assert len(resumed_at) == 2 and resumed_at[0] in (10, 20) and resumed_at[1] in (20, 30), "\n".join(
+        line for line in killed.stdout.splitlines() if "[elastic]" in line
+    )
 
     # Retention (keep=3) pruned the older ones, and the run can still be resumed: Ray's run snapshot and
     # the bucket agree (a snapshot naming a deleted checkpoint makes Ray refuse to resume).
@@ -193,17 +242,19 @@ def test_bad_input_exits_2_with_one_line(stack, args, expected):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("job, overrides", [
-    ("jobs/charlm.yaml", ["--set", "config.epochs=2"]),  # dropout, AdamW, warmup + cosine LambdaLR
-    ("jobs/digits_augment.yaml", ["--set", "config.epochs=2"]),  # crop/flip/noise in 2 DataLoader workers
-])
+@pytest.mark.parametrize(
+    "job, overrides",
+    [
+        ("jobs/charlm.yaml", ["--set", "config.epochs=2"]),  # dropout, AdamW, warmup + cosine LambdaLR
+        ("jobs/digits_augment.yaml", ["--set", "config.epochs=2"]),  # crop/flip/noise in 2 DataLoader workers
+    ],
+)
 def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(stack, job, overrides):
     """The user-facing verifier on jobs that draw random numbers: 3 kills (one inside a checkpoint save) and a
     reclaim notice (a just-in-time end). The random streams of the training loop and of the DataLoader workers
     continue exactly, so the final model and optimizer are bit-identical and every sample is seen once per epoch.
     (digits_augment is the digits job plus augmentation: it stands for the plain digits job too.)"""
-    proc = stack["cli"].run("verify-resume", job, "--kills", "3", "--notices", "1", "--json", *overrides,
-                            check=True)
+    proc = stack["cli"].run("verify-resume", job, "--kills", "3", "--notices", "1", "--json", *overrides, check=True)
     report = json.loads(proc.stdout)
     assert report["identical"] is True and report["max_abs_diff"] == 0.0, report["problems"]
     assert report["first_loss_divergence"] is None
@@ -221,8 +272,20 @@ def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(stack,
 def test_verify_resume_across_2_1_2_workers_sees_every_sample_once(stack):
     """Resharding 2 -> 1 -> 2: model, optimizer and data position move across worker counts, and the sample
     ledger of the resumed run has every sample of every epoch exactly once."""
-    proc = stack["cli"].run("verify-resume", "jobs/digits_ddp.yaml", "--kills", "2", "--workers", "2,1,2",
-                            "--json", "--set", "config.epochs=2", "--set", "checkpoint.every_steps=10", check=True)
+    proc = stack["cli"].run(
+        "verify-resume",
+        "jobs/digits_ddp.yaml",
+        "--kills",
+        "2",
+        "--workers",
+        "2,1,2",
+        "--json",
+        "--set",
+        "config.epochs=2",
+        "--set",
+        "checkpoint.every_steps=10",
+        check=True,
+    )
     report = json.loads(proc.stdout)
     assert report["samples_exactly_once"] is True, report["problems"]
     assert report["interrupted"]["workers"] == [2, 1, 2] and report["kills_fired"] == 2

@@ -30,8 +30,21 @@ DIGITS = ROOT / "jobs" / "digits_ddp.yaml"
 def stack(tmp_path_factory, cli_factory):
     cli = cli_factory(tmp_path_factory.mktemp("elastic-home-sweep"))
     try:
-        up = cli.run("local", "up", "--spot", "2", "--on-demand", "1", "--gpus-per-node", "1",
-                     "--cpus-per-node", "2", "--json", check=True, timeout=300)
+        up = cli.run(
+            "local",
+            "up",
+            "--spot",
+            "2",
+            "--on-demand",
+            "1",
+            "--gpus-per-node",
+            "1",
+            "--cpus-per-node",
+            "2",
+            "--json",
+            check=True,
+            timeout=300,
+        )
         info = json.loads(up.stdout)
         info["cli"] = cli
         yield info
@@ -50,8 +63,11 @@ def storage(stack):
     import s3fs
 
     env = stack["env"]
-    return s3fs.S3FileSystem(key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
-                             client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL"], "region_name": "us-east-1"})
+    return s3fs.S3FileSystem(
+        key=env["AWS_ACCESS_KEY_ID"],
+        secret=env["AWS_SECRET_ACCESS_KEY"],
+        client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL"], "region_name": "us-east-1"},
+    )
 
 
 def read(fs, path: str):
@@ -73,7 +89,9 @@ def test_four_trials_share_one_gpu_at_once(stack):
 
 def test_out_of_memory_retried_with_bigger_share_and_ddp_ranks_on_distinct_gpus(stack, tmp_path):
     name = f"oom-{uuid.uuid4().hex[:6]}"
-    sweep = write_sweep(tmp_path, f"""
+    sweep = write_sweep(
+        tmp_path,
+        f"""
 name: {name}
 job: {DIGITS}
 overrides:
@@ -87,7 +105,8 @@ space:
 metric: mean_loss
 mode: min
 gpu_share: 0.25
-""")
+""",
+    )
     proc = stack["cli"].run("sweep", str(sweep), "--json", timeout=420)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
@@ -105,7 +124,9 @@ gpu_share: 0.25
 
 def test_asha_stops_bad_trials_and_a_killed_sweep_resumes(stack, tmp_path):
     name = f"asha-{uuid.uuid4().hex[:6]}"
-    sweep = write_sweep(tmp_path, f"""
+    sweep = write_sweep(
+        tmp_path,
+        f"""
 name: {name}
 job: {DIGITS}
 overrides:
@@ -120,12 +141,19 @@ mode: min
 scheduler: {{type: asha, max_t: 20, grace_period: 2, reduction_factor: 2}}   # rungs at 2, 4, 8 reports
 max_concurrent: 2
 gpu_share: 0.25
-""")
+""",
+    )
     fs = storage(stack)
     train = f"elastic/runs/{name}/train"
     args = [sys.executable, "-m", "elastic", "sweep", str(sweep), "--json"]
-    driver = subprocess.Popen(args, cwd=ROOT, env=stack["cli"].env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    driver = subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env=stack["cli"].env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     finished, interrupted, changed = set(), {}, {}
     try:
         deadline = time.monotonic() + 300

@@ -76,9 +76,25 @@ def test_without_node_id_several_nodes_on_this_host_is_a_clear_error(cluster):
     cluster, _ = cluster
     with MetadataServer("aws") as imds:
         proc = subprocess.run(
-            [sys.executable, "-m", "elastic", "watch-preemption", "--provider", "aws", "--metadata-url", imds.url,
-             "--address", cluster.address, "--once"],
-            cwd=ROOT, env=watcher_env(), capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-m",
+                "elastic",
+                "watch-preemption",
+                "--provider",
+                "aws",
+                "--metadata-url",
+                imds.url,
+                "--address",
+                cluster.address,
+                "--once",
+            ],
+            cwd=ROOT,
+            env=watcher_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "pass --node-id" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
@@ -91,10 +107,29 @@ def test_watcher_drains_the_real_node_once_with_the_notice_deadline_less_the_mar
     log_path = tmp_path / "watch.log"
     with MetadataServer("aws") as imds, open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic", "watch-preemption", "--provider", "aws", "--metadata-url", imds.url,
-             "--address", cluster.address, "--node-id", worker.node_id, "--poll-seconds", "0.5",
-             "--margin-seconds", str(MARGIN_S)],
-            cwd=ROOT, env=watcher_env(), stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "elastic",
+                "watch-preemption",
+                "--provider",
+                "aws",
+                "--metadata-url",
+                imds.url,
+                "--address",
+                cluster.address,
+                "--node-id",
+                worker.node_id,
+                "--poll-seconds",
+                "0.5",
+                "--margin-seconds",
+                str(MARGIN_S),
+            ],
+            cwd=ROOT,
+            env=watcher_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             wait_for(lambda: "watching aws spot notices" in log_path.read_text(), 20, log_path)
             time.sleep(1.0)

@@ -36,8 +36,13 @@ def test_steps_a_later_attempt_resumed_from_before_do_not_count():
 
 
 def test_an_attempt_that_died_before_its_first_step_counts_as_a_reclaim_and_its_time_as_lost():
-    run = Timeline([{"start": 0, "steps": steps(1, 10, 0.0, every=0.5)}, {"start": 10, "steps": []},
-                    {"start": 10, "steps": steps(11, 20, 30.0, every=0.5)}])
+    run = Timeline(
+        [
+            {"start": 0, "steps": steps(1, 10, 0.0, every=0.5)},
+            {"start": 10, "steps": []},
+            {"start": 10, "steps": steps(11, 20, 30.0, every=0.5)},
+        ]
+    )
     goodput, reclaims, gaps = _goodput(run)
     assert goodput == pytest.approx(10 / 34.5)  # 20 steps of 0.5 s over 34.5 s
     assert reclaims == 2 and gaps == [25.5]

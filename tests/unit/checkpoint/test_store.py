@@ -46,8 +46,9 @@ def make_checkpoints(store: CheckpointStore, run: Path, committed: list[int], un
 
 def steps_on_disk(run: Path) -> list[int]:
     """Step folders that still hold a checkpoint (retired ones keep only their tombstone)."""
-    return sorted(int(p.name.split("-")[1]) for p in run.iterdir()
-                  if p.name.startswith("step-") and not (p / TOMBSTONE).exists())
+    return sorted(
+        int(p.name.split("-")[1]) for p in run.iterdir() if p.name.startswith("step-") and not (p / TOMBSTONE).exists()
+    )
 
 
 @pytest.fixture
@@ -216,6 +217,7 @@ def _commit(store: CheckpointStore, run: Path, step: int) -> dict[str, int]:
 def forbid_listing(store: CheckpointStore, monkeypatch) -> None:
     def listing(*args, **kwargs):
         raise AssertionError("retention listed the run folder after its first use")
+
     for name in ("find", "ls", "glob", "walk"):
         monkeypatch.setattr(store.fs, name, listing)
 

@@ -61,14 +61,17 @@ def test_trial_job_sets_config_and_dotted_fields():
     assert job.config["lr"] == 0.05  # the sweep's job is unchanged
 
 
-@pytest.mark.parametrize("extra, expected", [
-    ("scheduler: {type: hyperband}\n", "s.yaml:7: scheduler.type: Input should be 'fifo', 'asha' or 'pbt'"),
-    ("gpu_share: 1.5\n", "s.yaml:7: gpu_share: use a number in (0, 1] (e.g. 0.25) or auto"),
-    ("gpu_share: half\n", "s.yaml:7: gpu_share: use a number in (0, 1]"),
-    ("max_concurent: 4\n", "s.yaml:7: max_concurent: unknown field; did you mean 'max_concurrent'?"),
-    ("packing: {gpu_memory_gbs: 2}\n", "packing.gpu_memory_gbs: unknown field; did you mean 'gpu_memory_gb'?"),
-    ("scheduler: {type: asha, max_t: 2, grace_period: 5}\n", "grace_period (5) exceeds max_t (2)"),
-])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ("scheduler: {type: hyperband}\n", "s.yaml:7: scheduler.type: Input should be 'fifo', 'asha' or 'pbt'"),
+        ("gpu_share: 1.5\n", "s.yaml:7: gpu_share: use a number in (0, 1] (e.g. 0.25) or auto"),
+        ("gpu_share: half\n", "s.yaml:7: gpu_share: use a number in (0, 1]"),
+        ("max_concurent: 4\n", "s.yaml:7: max_concurent: unknown field; did you mean 'max_concurrent'?"),
+        ("packing: {gpu_memory_gbs: 2}\n", "packing.gpu_memory_gbs: unknown field; did you mean 'gpu_memory_gb'?"),
+        ("scheduler: {type: asha, max_t: 2, grace_period: 5}\n", "grace_period (5) exceeds max_t (2)"),
+    ],
+)
 def test_errors_name_field_line_and_fix(extra, expected):
     assert expected in error(extra)
 
@@ -98,7 +101,9 @@ def test_pbt_needs_something_to_perturb_and_known_keys():
 def test_space_key_must_be_a_job_field(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text(MINIMAL.replace("lr:", "workers.mn:").replace("job: jobs/", f"job: {REPO}/jobs/"))
-    with pytest.raises(SpecError, match=r"workers.mn: unknown field; did you mean 'min'\?.*a space key must be a job field"):
+    with pytest.raises(
+        SpecError, match=r"workers.mn: unknown field; did you mean 'min'\?.*a space key must be a job field"
+    ):
         load_sweep_spec(path)
 
 
@@ -121,11 +126,18 @@ def test_cli_exits_2_with_one_line(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text(MINIMAL + "gpu_share: 2\n")
     env = {**os.environ, "ELASTIC_HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "elastic", "sweep", str(path)], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic", "sweep", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: {path}:7: gpu_share: use a number in (0, 1] (e.g. 0.25) "
-                                                f"or auto (got 2)"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {path}:7: gpu_share: use a number in (0, 1] (e.g. 0.25) or auto (got 2)"
+    ]
 
 
 def test_shipped_schema_is_current():

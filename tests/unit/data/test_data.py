@@ -25,11 +25,15 @@ N, B = 103, 4  # N is not a multiple of W*B for any W used here
 # helpers
 
 
-def make_loaders(dataset: Dataset, world: int, batch: int = B, seed: int = 0, num_workers: int = 0,
-                 **sampler_kwargs) -> list[ResumableLoader]:
+def make_loaders(
+    dataset: Dataset, world: int, batch: int = B, seed: int = 0, num_workers: int = 0, **sampler_kwargs
+) -> list[ResumableLoader]:
     return [
-        ResumableLoader(dataset, ResumableSampler(len(dataset), batch, rank, world, seed=seed, **sampler_kwargs),
-                        num_workers=num_workers)
+        ResumableLoader(
+            dataset,
+            ResumableSampler(len(dataset), batch, rank, world, seed=seed, **sampler_kwargs),
+            num_workers=num_workers,
+        )
         for rank in range(world)
     ]
 
@@ -131,7 +135,7 @@ def test_resume_at_another_world_size_is_exactly_once(dataset, world, new_world,
     # and the global stream continues where it stopped: the same permutation, read in order
     order = epoch_order(N, 7, 0).tolist()
     after_sequence = [i for step in range(len(after[0])) for rank in range(new_world) for i in after[rank][step]]
-    assert after_sequence == order[steps_before * world * B:]
+    assert after_sequence == order[steps_before * world * B :]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -418,14 +422,16 @@ def write_shards(directory, rows: list[dict]) -> list[str]:
     directory.mkdir(parents=True, exist_ok=True)
     paths, start = [], 0
     for shard, (group_size, count) in enumerate(ROW_GROUPS):
-        chunk = rows[start:start + count]
+        chunk = rows[start : start + count]
         start += count
-        table = pa.table({
-            "id": pa.array([r["id"] for r in chunk], pa.int64()),
-            "value": pa.array([r["value"] for r in chunk], pa.float64()),
-            "name": pa.array([r["name"] for r in chunk], pa.string()),
-            "tokens": pa.array([r["tokens"] for r in chunk], pa.list_(pa.int32())),
-        })
+        table = pa.table(
+            {
+                "id": pa.array([r["id"] for r in chunk], pa.int64()),
+                "value": pa.array([r["value"] for r in chunk], pa.float64()),
+                "name": pa.array([r["name"] for r in chunk], pa.string()),
+                "tokens": pa.array([r["tokens"] for r in chunk], pa.list_(pa.int32())),
+            }
+        )
         path = directory / f"part-{shard}.parquet"
         pq.write_table(table, path, row_group_size=group_size)
         paths.append(str(path))
@@ -499,8 +505,7 @@ def test_parquet_resume_across_world_sizes_is_exactly_once(parquet_dir, world, n
     dataset = ParquetDataset(str(parquet_dir), columns=["id", "value"])
     loaders = make_loaders(dataset, world, seed=11, num_workers=2)
     before = run(loaders, 4)
-    resumed = make_loaders(ParquetDataset(str(parquet_dir), columns=["id", "value"]), new_world, seed=11,
-                           num_workers=2)
+    resumed = make_loaders(ParquetDataset(str(parquet_dir), columns=["id", "value"]), new_world, seed=11, num_workers=2)
     for loader in resumed:
         loader.load_state_dict(loaders[0].state_dict())
     after = run(resumed)

@@ -75,8 +75,10 @@ def test_a_controller_that_tore_its_read_of_rays_run_snapshot_is_started_again()
 
     from elastic.driver.placements import controller_failed
 
-    torn = _controller_died_in_constructor("ray.train.v2._internal.exceptions.CheckpointManagerInitializationError: "
-                                           "Unterminated string starting at: line 1 column 769 (char 768)")
+    torn = _controller_died_in_constructor(
+        "ray.train.v2._internal.exceptions.CheckpointManagerInitializationError: "
+        "Unterminated string starting at: line 1 column 769 (char 768)"
+    )
     assert controller_failed(torn)
     assert controller_failed(ControllerError(RuntimeError("worker group failed to start")))
     # The user's own errors, and other constructor failures, are not retried as controller errors

@@ -12,12 +12,22 @@ from elastic.local.stack import LocalState
 
 
 def state() -> LocalState:
-    nodes = [{"node_id": "h" * 8, "name": "head", "market": "on-demand", "role": "head"},
-             {"node_id": "a" * 8, "name": "on-demand-0", "market": "on-demand", "role": "worker"},
-             {"node_id": "b" * 8, "name": "spot-0", "market": "spot", "role": "worker"},
-             {"node_id": "c" * 8, "name": "spot-1", "market": "spot", "role": "worker"}]
-    return LocalState(marker="m", temp_dir="/tmp/x", ray_address="", dashboard_url="", s3_endpoint="",
-                      bucket="b", logical_gpus=False, nodes=nodes)
+    nodes = [
+        {"node_id": "h" * 8, "name": "head", "market": "on-demand", "role": "head"},
+        {"node_id": "a" * 8, "name": "on-demand-0", "market": "on-demand", "role": "worker"},
+        {"node_id": "b" * 8, "name": "spot-0", "market": "spot", "role": "worker"},
+        {"node_id": "c" * 8, "name": "spot-1", "market": "spot", "role": "worker"},
+    ]
+    return LocalState(
+        marker="m",
+        temp_dir="/tmp/x",
+        ray_address="",
+        dashboard_url="",
+        s3_endpoint="",
+        bucket="b",
+        logical_gpus=False,
+        nodes=nodes,
+    )
 
 
 def names(nodes: list[dict]) -> list[str]:

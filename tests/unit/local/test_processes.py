@@ -18,9 +18,7 @@ from elastic.local.processes import MARKER_VARIABLE, Launched
 _DAEMON = [
     sys.executable,
     "-c",
-    "import subprocess,sys,time; "
-    "subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); "
-    "time.sleep(60)",
+    "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); time.sleep(60)",
 ]
 
 

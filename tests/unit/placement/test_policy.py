@@ -20,13 +20,15 @@ def elastic_logs():
     logs.configure("INFO")
 
 
-def node(market: str, cpus: float = 1.0, gpus: float = 0.0, role: str = "worker", draining: bool = False,
-         node_id: str = "n") -> NodeView:
+def node(
+    market: str, cpus: float = 1.0, gpus: float = 0.0, role: str = "worker", draining: bool = False, node_id: str = "n"
+) -> NodeView:
     available = {"CPU": cpus}
     if gpus:
         available["GPU"] = gpus
-    return NodeView(node_id=node_id, labels={"market": market, "elastic-role": role}, available=available,
-                    draining=draining)
+    return NodeView(
+        node_id=node_id, labels={"market": market, "elastic-role": role}, available=available, draining=draining
+    )
 
 
 def workers(**fields) -> WorkersSpec:
@@ -46,14 +48,22 @@ def test_slots_count_only_free_worker_nodes_of_the_market():
 def test_slots_an_ending_placement_releases_count_once():
     """The next placement is sized while the ending one's workers still hold their slots: those count as
     free, capped at the node's total so a slot already released is not counted twice; draining nodes never."""
-    busy = NodeView(node_id="a", labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 0.0},
-                    total={"CPU": 1.0})
-    freed = NodeView(node_id="b", labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 1.0},
-                     total={"CPU": 1.0})
-    leaving = NodeView(node_id="c", labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 0.0},
-                       total={"CPU": 1.0}, draining=True)
-    spare = NodeView(node_id="d", labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 1.0},
-                     total={"CPU": 1.0})
+    busy = NodeView(
+        node_id="a", labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 0.0}, total={"CPU": 1.0}
+    )
+    freed = NodeView(
+        node_id="b", labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 1.0}, total={"CPU": 1.0}
+    )
+    leaving = NodeView(
+        node_id="c",
+        labels={"market": "spot", "elastic-role": "worker"},
+        available={"CPU": 0.0},
+        total={"CPU": 1.0},
+        draining=True,
+    )
+    spare = NodeView(
+        node_id="d", labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 1.0}, total={"CPU": 1.0}
+    )
     nodes = [busy, freed, leaving, spare]
     assert worker_slots(nodes, workers(), "spot") == 2  # b and d
     released = {"a": 1, "b": 1, "c": 1}
@@ -96,8 +106,9 @@ def test_start_waits_for_spot_before_the_timeout():
 def test_start_falls_back_to_on_demand_after_the_timeout_with_the_reason():
     decision = decide_start(workers(), [node("on-demand"), node("on-demand")], 60.0)
     assert decision.action == "on-demand"
-    assert decision.reason == ("spot capacity was not granted within 60 s (0 of 2 spot worker slot(s) free); "
-                               "falling back to on-demand")
+    assert decision.reason == (
+        "spot capacity was not granted within 60 s (0 of 2 spot worker slot(s) free); falling back to on-demand"
+    )
 
 
 def test_zero_wait_falls_back_at_once():
@@ -149,8 +160,13 @@ def test_wait_for_spot_takes_spot_when_it_arrives_in_time(capsys):
 
 def test_wait_for_spot_falls_back_exactly_at_the_timeout():
     clock = FakeClock()
-    decision = wait_for_spot(workers(spot_wait_seconds=25), observe=lambda: [node("on-demand")] * 2,
-                             clock=clock, sleep=clock.sleep, poll_seconds=10)
+    decision = wait_for_spot(
+        workers(spot_wait_seconds=25),
+        observe=lambda: [node("on-demand")] * 2,
+        clock=clock,
+        sleep=clock.sleep,
+        poll_seconds=10,
+    )
     assert decision.action == "on-demand"
     assert clock.sleeps == [10, 10, 5] and clock.now == 25.0
 
@@ -319,8 +335,9 @@ def test_a_placement_starts_with_as_many_workers_as_fit_up_to_max_and_waits_belo
 
 def test_waiting_for_workers_polls_until_a_replacement_joins_and_says_why(capsys):
     polls = iter([[node("spot")]] * 5 + [[node("spot"), node("spot")]])
-    decision = wait_for_workers(workers(min=2, max=2, market="spot"), "spot", observe=lambda: next(polls),
-                                sleep=lambda s: None)
+    decision = wait_for_workers(
+        workers(min=2, max=2, market="spot"), "spot", observe=lambda: next(polls), sleep=lambda s: None
+    )
     assert decision.action == "start" and decision.spot_slots == 2
     out = capsys.readouterr().out
     assert "waiting for capacity: 1 of 2" in out and "start: 2 worker(s) on spot nodes" in out
@@ -340,8 +357,14 @@ def test_grow_watcher_waits_for_a_steady_reading_and_never_flaps(tmp_path, capsy
     control.running("p1", 1)
     cluster = {"nodes": [node("spot")]}
     clock = FakeClock()
-    watcher = GrowWatcher(workers(min=1, max=2, market="spot", regrow_after_seconds=10), control, "p1", "spot",
-                          observe=lambda: cluster["nodes"], clock=clock)
+    watcher = GrowWatcher(
+        workers(min=1, max=2, market="spot", regrow_after_seconds=10),
+        control,
+        "p1",
+        "spot",
+        observe=lambda: cluster["nodes"],
+        clock=clock,
+    )
     watcher.poll_once()
     clock.now = 6
     cluster["nodes"] = []  # the new node went away again: the clock restarts

@@ -315,10 +315,24 @@ def test_azure_preempt_drains_then_acknowledges_once_the_drain_deadline_passed(a
 
 
 def test_azure_other_vms_and_other_event_types_do_not_drain(azure, clock):
-    azure.announce_event({"EventId": "A-1", "EventType": "Preempt", "Resources": ["other-vm"],
-                          "EventStatus": "Scheduled", "NotBefore": email.utils.formatdate(time.time() + 30, usegmt=True)})
-    azure.announce_event({"EventId": "B-2", "EventType": "Reboot", "Resources": ["spot-vm-7"],
-                          "EventStatus": "Scheduled", "NotBefore": ""})
+    azure.announce_event(
+        {
+            "EventId": "A-1",
+            "EventType": "Preempt",
+            "Resources": ["other-vm"],
+            "EventStatus": "Scheduled",
+            "NotBefore": email.utils.formatdate(time.time() + 30, usegmt=True),
+        }
+    )
+    azure.announce_event(
+        {
+            "EventId": "B-2",
+            "EventType": "Reboot",
+            "Resources": ["spot-vm-7"],
+            "EventStatus": "Scheduled",
+            "NotBefore": "",
+        }
+    )
     drainer, lines = RecordingDrainer(), []
     watcher(AzureSource(azure.url, timeout_s=0.5, clock=clock), drainer, clock, lines).run(max_polls=3)
     assert drainer.calls == [] and azure.acks == []
@@ -371,12 +385,15 @@ def test_watch_once_drains_and_reports_an_unreachable_service(aws):
     assert watch("aws", aws.url, drainer=RecordingDrainer(False), once=True, emit=lines.append) == 1  # rejected
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--margin-seconds", "-1"], "--margin-seconds must be >= 0"),
-    (["--poll-seconds", "0"], "--poll-seconds must be > 0"),
-    (["--node-id", "xyz"], "--node-id must be a Ray node id"),
-    (["--metadata-url", "169.254.169.254"], "--metadata-url must be an http:// URL"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--margin-seconds", "-1"], "--margin-seconds must be >= 0"),
+        (["--poll-seconds", "0"], "--poll-seconds must be > 0"),
+        (["--node-id", "xyz"], "--node-id must be a Ray node id"),
+        (["--metadata-url", "169.254.169.254"], "--metadata-url must be an http:// URL"),
+    ],
+)
 def test_bad_flags_exit_2_with_one_line(args, message, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["elastic", "watch-preemption", *args])
     with pytest.raises(SystemExit) as exited:
@@ -434,9 +451,23 @@ def test_admin_endpoints_announce_and_clear_and_are_not_counted(aws, clock):
 
 def test_standalone_server_writes_its_port_and_takes_admin_requests(tmp_path: Path, clock):
     port_file = tmp_path / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "elastic.local.metadata_server", "--provider", "azure", "--port", "0",
-                             "--port-file", str(port_file), "--vm-name", "local-spot-0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "elastic.local.metadata_server",
+            "--provider",
+            "azure",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--vm-name",
+            "local-spot-0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 10
         while not port_file.exists():

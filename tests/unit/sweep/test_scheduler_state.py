@@ -66,6 +66,7 @@ def test_the_state_is_a_snapshot_and_fifo_saves_none():
     restored["callbacks"][0].set_state(state)
     assert all(not recorded for _, recorded in restored["scheduler"]._brackets[0]._rungs)
 
-    fifo = cloudpickle.loads(tuner_pickle(SWEEP.replace("type: asha, max_t: 20, grace_period: 2, reduction_factor: 2",
-                                                        "type: fifo")))
+    fifo = cloudpickle.loads(
+        tuner_pickle(SWEEP.replace("type: asha, max_t: 20, grace_period: 2, reduction_factor: 2", "type: fifo"))
+    )
     assert fifo["callbacks"][0].get_state() is None

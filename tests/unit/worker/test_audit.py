@@ -15,8 +15,15 @@ from elastic.worker.chaos import Kill, format_plan, parse_plan
 N, BATCH = 20, 3
 
 
-def run_attempt(root: str, attempt: str, world: int, steps: int, resumed_from: int = 0, state: dict | None = None,
-                flush_every: int = 2) -> dict:
+def run_attempt(
+    root: str,
+    attempt: str,
+    world: int,
+    steps: int,
+    resumed_from: int = 0,
+    state: dict | None = None,
+    flush_every: int = 2,
+) -> dict:
     """Simulate one attempt of `world` ranks in lockstep: each rank's loader feeds its ledger; flush at
     'checkpoints'. Returns the loader state at the last flush (what a checkpoint would hold)."""
     fs = fsspec.filesystem("file")

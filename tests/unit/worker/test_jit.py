@@ -59,8 +59,9 @@ def test_just_in_time_agrees_one_step_late_and_saves_once_planned():
     clock = Clock()
     notices = {"current": None}
     lines = []
-    jit = JustInTime(rank=0, group=None, margin_seconds=1.0, log=lines.append,
-                     read_notice=lambda: notices["current"], clock=clock)
+    jit = JustInTime(
+        rank=0, group=None, margin_seconds=1.0, log=lines.append, read_notice=lambda: notices["current"], clock=clock
+    )
     due = []
     for step in range(1, 30):
         clock.now += 0.5
@@ -90,13 +91,27 @@ def test_rank_0_announces_the_expected_commit_once_at_the_first_notice():
     clock = Clock()
     notice = Notice(deadline=clock.now + 30.0, node_ids=("n1",))
     announced = []
-    jit = JustInTime(rank=0, group=None, margin_seconds=2.0, log=lambda line: None, read_notice=lambda: notice,
-                     clock=clock, on_notice=lambda n, eta: announced.append((n.node_ids, eta)))
+    jit = JustInTime(
+        rank=0,
+        group=None,
+        margin_seconds=2.0,
+        log=lambda line: None,
+        read_notice=lambda: notice,
+        clock=clock,
+        on_notice=lambda n, eta: announced.append((n.node_ids, eta)),
+    )
     for step in range(1, 6):
         clock.now += 0.1
         jit.due(step)
     assert announced == [(("n1",), notice.deadline - 2.0)]
     other = []
-    JustInTime(rank=1, group=None, margin_seconds=2.0, log=lambda line: None, read_notice=lambda: notice,
-               clock=clock, on_notice=lambda n, eta: other.append(eta)).due(1)
+    JustInTime(
+        rank=1,
+        group=None,
+        margin_seconds=2.0,
+        log=lambda line: None,
+        read_notice=lambda: notice,
+        clock=clock,
+        on_notice=lambda n, eta: other.append(eta),
+    ).due(1)
     assert other == []  # only rank 0 plans and announces

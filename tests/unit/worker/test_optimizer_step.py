@@ -34,8 +34,9 @@ def model_and_data(seed: int = 0):
 def stepper(model, spec: TrainSpec, lr: float = 0.1, scheduler_factory=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     scheduler = scheduler_factory(optimizer) if scheduler_factory else None
-    return OptimizerStep(spec, model, optimizer, grad_scaler(spec.precision, CPU),
-                         NonFiniteGuard(spec.max_nonfinite_steps), scheduler), optimizer
+    return OptimizerStep(
+        spec, model, optimizer, grad_scaler(spec.precision, CPU), NonFiniteGuard(spec.max_nonfinite_steps), scheduler
+    ), optimizer
 
 
 def test_accumulating_two_halves_equals_one_step_on_the_whole_batch():
@@ -90,7 +91,9 @@ def test_nonfinite_micro_batch_poisons_its_whole_accumulation_window():
 
 def test_scheduler_steps_with_the_optimizer_but_not_on_skipped_steps():
     model, x, y = model_and_data()
-    step, optimizer = stepper(model, TrainSpec(), scheduler_factory=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+    step, optimizer = stepper(
+        model, TrainSpec(), scheduler_factory=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5)
+    )
     step.optimize(F.cross_entropy(model(x), y), step=1)
     step.optimize(F.cross_entropy(model(x), y) * float("nan"), step=2)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)

@@ -88,8 +88,12 @@ def test_augmentation_of_a_sample_is_the_same_at_any_worker_count_and_num_worker
     assert one_rank.keys() == two_ranks.keys() == set(range(24))
     assert all(torch.equal(one_rank[i], two_ranks[i]) for i in one_rank)
     # and another epoch augments the same sample differently
-    epoch_1 = by_sample(_run(_loader(num_workers=2, state={"epoch": 1, "consumed": 0, "seed": 7,
-                                                            "num_samples": 24, "shuffle": True}), epochs=2))
+    epoch_1 = by_sample(
+        _run(
+            _loader(num_workers=2, state={"epoch": 1, "consumed": 0, "seed": 7, "num_samples": 24, "shuffle": True}),
+            epochs=2,
+        )
+    )
     assert any(not torch.equal(one_rank[i], epoch_1[i]) for i in one_rank)
     assert sample_seed(7, 0, 3) != sample_seed(7, 1, 3) != sample_seed(8, 0, 3)
 

@@ -44,13 +44,23 @@ def pure():
         sys.modules.update(saved)
 
 
-def job(pure, market: str = "spot", min_workers: int = 2, max_workers: int = 2, swap_to_spot: bool = True,
-        **failure):
-    return pure.JobSpec.model_validate({
-        "name": "t", "entrypoint": "m:f",
-        "workers": {"min": min_workers, "max": max_workers, "cpus": 1, "market": market, "spot_wait_seconds": 60,
-                    "swap_to_spot": swap_to_spot},
-        "checkpoint": {"uri": "/tmp/ckpt", "every_steps": 10}, "failure": failure})
+def job(pure, market: str = "spot", min_workers: int = 2, max_workers: int = 2, swap_to_spot: bool = True, **failure):
+    return pure.JobSpec.model_validate(
+        {
+            "name": "t",
+            "entrypoint": "m:f",
+            "workers": {
+                "min": min_workers,
+                "max": max_workers,
+                "cpus": 1,
+                "market": market,
+                "spot_wait_seconds": 60,
+                "swap_to_spot": swap_to_spot,
+            },
+            "checkpoint": {"uri": "/tmp/ckpt", "every_steps": 10},
+            "failure": failure,
+        }
+    )
 
 
 def test_a_noticed_reclaim_starts_the_next_placement_ahead_once_due_and_settled(pure):
@@ -184,7 +194,12 @@ def test_messages_round_trip_and_a_torn_file_reads_as_not_there_yet(pure):
     placement = M.Placement(id="x", market="spot", resizable=True, avoid_nodes=("n1",), follows="w")
     assert M.Placement.from_dict(placement.to_dict()) == placement and placement.endable
     assert M.Placement.from_dict({"id": "q", "extra": 1}) == M.Placement(id="q")  # unknown fields ignored
-    for message in (M.EndRequest("p", kind.GROW, "why", time=1.0), M.EndingSoon("p", 12.5, ("a",), time=1.0),
-                    M.Cancel("p", time=1.0), M.Running("p", 3, time=1.0), M.DriverStatus("running", "d", time=1.0)):
+    for message in (
+        M.EndRequest("p", kind.GROW, "why", time=1.0),
+        M.EndingSoon("p", 12.5, ("a",), time=1.0),
+        M.Cancel("p", time=1.0),
+        M.Running("p", 3, time=1.0),
+        M.DriverStatus("running", "d", time=1.0),
+    ):
         assert type(message).from_json(message.to_json()) == message
     assert M.EndRequest.from_json('{"placement": "p", "kind": "nonsense"}') is None

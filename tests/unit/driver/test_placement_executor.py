@@ -17,9 +17,15 @@ from elastic.placement.policy import Decision, NodeView
 
 
 def spec(**failure) -> JobSpec:
-    return JobSpec.model_validate({"name": "t", "entrypoint": "m:f",
-                                   "workers": {"min": 2, "max": 2, "cpus": 1, "market": "spot"},
-                                   "checkpoint": {"uri": "/tmp/ckpt", "every_steps": 10}, "failure": failure})
+    return JobSpec.model_validate(
+        {
+            "name": "t",
+            "entrypoint": "m:f",
+            "workers": {"min": 2, "max": 2, "cpus": 1, "market": "spot"},
+            "checkpoint": {"uri": "/tmp/ckpt", "every_steps": 10},
+            "failure": failure,
+        }
+    )
 
 
 class ScriptedTrainer:
@@ -33,18 +39,24 @@ class ScriptedTrainer:
 @pytest.fixture
 def cluster(monkeypatch):
     """Two spot nodes whose slots are taken by the running placement (freed by its release)."""
-    nodes = [NodeView(node_id=n, labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 0.0},
-                      total={"CPU": 1.0}) for n in ("a", "b")]
+    nodes = [
+        NodeView(
+            node_id=n, labels={"market": "spot", "elastic-role": "worker"}, available={"CPU": 0.0}, total={"CPU": 1.0}
+        )
+        for n in ("a", "b")
+    ]
     monkeypatch.setattr(capacity, "observe_nodes", lambda: nodes)
     monkeypatch.setattr(capacity, "draining_nodes", lambda observe=None: ())
     monkeypatch.setattr(capacity, "hint_spot_demand", lambda workers, on=True: None)
-    monkeypatch.setattr(capacity, "wait_for_workers",
-                        lambda workers, market, released=None, on_wait=None: Decision("start", "fits", 2))
+    monkeypatch.setattr(
+        capacity, "wait_for_workers", lambda workers, market, released=None, on_wait=None: Decision("start", "fits", 2)
+    )
     return nodes
 
 
 def test_a_noticed_reclaim_starts_the_next_placement_ahead_and_it_takes_over_at_the_acknowledgement(
-        tmp_path, monkeypatch, cluster):
+    tmp_path, monkeypatch, cluster
+):
     control = PlacementControl(str(tmp_path))
     built: list = []
     acknowledged = threading.Event()
@@ -61,6 +73,7 @@ def test_a_noticed_reclaim_starts_the_next_placement_ahead_and_it_takes_over_at_
             acknowledged.set()
             time.sleep(0.3)  # Ray's controller still shutting the ended placement down
             return "first"
+
         return fit
 
     def second(placement):
@@ -68,6 +81,7 @@ def test_a_noticed_reclaim_starts_the_next_placement_ahead_and_it_takes_over_at_
             assert placement.follows == built[0].id  # started ahead of the first one's end
             acknowledged.wait(10)
             return "done"
+
         return fit
 
     def build_trainer(spec_, run_name, placement, sharing=None):
@@ -79,7 +93,9 @@ def test_a_noticed_reclaim_starts_the_next_placement_ahead_and_it_takes_over_at_
     result = placements.PlacementExecutor(spec(), "run", str(tmp_path), records).run()
     assert result == "done" and len(built) == 2
     assert [(r["reason"], r.get("ended_at_step"), r.get("ended_by")) for r in records] == [
-        ("workers.market is spot", 40, "preemption"), ("resumed after a reclaim at step 40", None, None)]
+        ("workers.market is spot", 40, "preemption"),
+        ("resumed after a reclaim at step 40", None, None),
+    ]
     assert control.ended(built[0].id) is None  # cleared at the end of the run
 
 
@@ -95,6 +111,7 @@ def test_a_controller_error_starts_a_new_placement_within_max_failures(tmp_path,
             if isinstance(outcome, Exception):
                 raise outcome
             return outcome
+
         return ScriptedTrainer(fit)
 
     monkeypatch.setattr(placements, "build_trainer", build_trainer)
