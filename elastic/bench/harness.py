@@ -23,10 +23,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from elastic import logs
 from elastic.checkpoint.checkpointer import ShardedCheckpointer
-from elastic.checkpoint.store import CheckpointStore
+from elastic.checkpoint.store import CheckpointStore, run_directory
 from elastic.config.spec import JobSpec
-from elastic.driver.runs import run_directory
 from elastic.storage import check_storage, pyarrow_filesystem
 from elastic.worker.session import Session
 
@@ -289,6 +289,8 @@ def _overhead_worker(config: dict) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+
+    logs.configure()  # a Ray Train worker process: the session's lines get the same format as a job's
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 

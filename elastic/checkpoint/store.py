@@ -22,7 +22,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic.config.spec import JobSpec
 from elastic.storage import fsspec_filesystem, fsspec_options, parse_uri
+
+
+def run_directory(spec: JobSpec, run_name: str) -> str:
+    """URI of a run's folder, <checkpoint.uri>/<run name>: where Ray Train keeps the run (its storage_path is
+    checkpoint.uri and its run name the folder's) and where every rank and the driver find its checkpoints."""
+    return parse_uri(spec.checkpoint.uri).child(run_name).uri
+
 
 MARKER = "COMMITTED.json"
 DCP_METADATA = ".metadata"

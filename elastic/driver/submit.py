@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic.checkpoint.store import run_directory
 from elastic.config.entrypoint import check_entrypoint
 from elastic.config.spec import JobSpec
-from elastic.driver.runs import run_directory
 from elastic.errors import ClusterError, UserError
 from elastic.local import stack as local
 from elastic.logs import LEVEL_VARIABLE

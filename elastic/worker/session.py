@@ -28,10 +28,9 @@ import torch
 import torch.distributed as dist
 
 from elastic.checkpoint.checkpointer import SaveResult, ShardedCheckpointer
-from elastic.checkpoint.store import CheckpointStore, Retention
+from elastic.checkpoint.store import CheckpointStore, Retention, run_directory
 from elastic.config.spec import JobSpec
 from elastic.data import ResumableLoader, ResumableSampler
-from elastic.storage import parse_uri
 from elastic.worker.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.worker.cadence import CheckpointCadence
 from elastic.worker.chaos import Chaos
@@ -86,7 +85,7 @@ class Session:
         self.device = worker_device(self.local_rank)
         self.node_id, self.market = node_identity()
         self._storage = context.get_storage()
-        self.store = CheckpointStore(_run_uri(spec, self._storage))
+        self.store = CheckpointStore(run_directory(spec, self._storage.experiment_dir_name))
         # Background saves run their collectives on a group of their own, apart from DDP's all-reduces.
         self._checkpoint_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.checkpointer = ShardedCheckpointer(
@@ -402,13 +401,6 @@ class Session:
         if result is not None and not result.committed:
             self._log_failure(result)
             raise RuntimeError(f"final checkpoint at step {result.step} failed: {result.error}")
-
-
-def _run_uri(spec: JobSpec, storage) -> str:
-    """The run folder as a URI (same place Ray Train keeps the run), e.g. s3://bucket/runs/<run name>."""
-    location = parse_uri(spec.checkpoint.uri)
-    path = storage.experiment_fs_path
-    return f"{location.scheme}://{path}" if location.is_object_store else path
 
 
 def _format(metrics: dict) -> str:
