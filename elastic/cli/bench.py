@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from dataclasses import asdict
 
 import click
 from rich.table import Table
@@ -59,17 +60,16 @@ def _show_bench(title: str, result: dict, ratios: dict[str, float]) -> None:
 )
 @click.option("--json", "as_json", is_flag=True)
 def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, repeats: int, as_json: bool) -> None:
-    """Sharded async save and load against raw parallel multipart put/get of the same bytes.
+    """Sharded async save and load against raw parallel multipart put/get of the same bytes, with torch's own
+    path (DCP's FsspecWriter/FsspecReader and dcp.async_save) measured beside ours in the same run (torch_*).
 
     \b
     Example:
       elastic bench checkpoint --size-mb 256 --workers 2 --json
     """
-    from elastic.bench import harness as bench
+    from elastic.bench.checkpointing import bench_checkpoint
 
-    result = bench.to_json(
-        bench.bench_checkpoint(_bench_target(uri, "bench"), size_mb=size_mb, workers=workers, repeats=repeats)
-    )
+    result = asdict(bench_checkpoint(_bench_target(uri, "bench"), size_mb=size_mb, workers=workers, repeats=repeats))
     if as_json:
         print_json(result)
     else:
@@ -105,12 +105,10 @@ def bench_overhead_cmd(
     Example:
       elastic bench overhead --json
     """
-    from elastic.bench import harness as bench
+    from elastic.bench.overhead import bench_overhead
 
     target = _bench_target(uri, "bench")
-    result = bench.to_json(
-        bench.bench_overhead(target, workers=workers, rounds=rounds, steps=steps, width=width, batch=batch)
-    )
+    result = asdict(bench_overhead(target, workers=workers, rounds=rounds, steps=steps, width=width, batch=batch))
     if as_json:
         print_json(result)
     else:

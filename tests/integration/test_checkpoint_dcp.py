@@ -699,7 +699,7 @@ def test_retain_never_deletes_a_checkpoint_another_process_committed(s3_env):
 
 
 def test_checkpoint_benchmark_measures_and_loads_back_exactly(s3_env):
-    from elastic.bench.harness import bench_checkpoint
+    from elastic.bench.checkpointing import bench_checkpoint
 
     result = bench_checkpoint(f"s3://{BUCKET}/bench", size_mb=8, workers=2, repeats=2)
     assert result.loaded_equal, "the benchmark's load did not give back the saved state"
