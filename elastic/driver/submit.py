@@ -99,7 +99,7 @@ def submit(
     runtime_env: dict = {
         "working_dir": str(working_dir),
         "excludes": DEFAULT_EXCLUDES + list(spec.runtime_env.excludes),
-        "env_vars": {**_log_level(), **spec.runtime_env.env_vars, SPEC_VARIABLE: spec.model_dump_json()},
+        "env_vars": {**log_level_environment(), **spec.runtime_env.env_vars, SPEC_VARIABLE: spec.model_dump_json()},
     }
     if spec.runtime_env.pip:
         runtime_env["pip"] = list(spec.runtime_env.pip)
@@ -233,7 +233,7 @@ def spec_from_environment() -> JobSpec:
     return JobSpec.model_validate(json.loads(raw))
 
 
-def _log_level() -> dict[str, str]:
+def log_level_environment() -> dict[str, str]:
     """`elastic -v`/`-q` reach the job's driver and workers (a level set in the spec's env_vars wins)."""
     level = os.environ.get(LEVEL_VARIABLE)
     return {LEVEL_VARIABLE: level} if level else {}
