@@ -243,19 +243,38 @@ def test_bad_input_exits_2_with_one_line(stack, args, expected):
 
 
 @pytest.mark.parametrize(
-    "job, overrides",
+    "job, overrides, through_job_api",
     [
-        ("jobs/charlm.yaml", ["--set", "config.epochs=2"]),  # dropout, AdamW, warmup + cosine LambdaLR
-        ("jobs/digits_augment.yaml", ["--set", "config.epochs=2"]),  # crop/flip/noise in 2 DataLoader workers
+        ("jobs/charlm.yaml", ["--set", "config.epochs=2"], False),  # dropout, AdamW, warmup + cosine LambdaLR
+        ("jobs/digits_augment.yaml", ["--set", "config.epochs=2"], True),  # crop/flip/noise in 2 DataLoader workers
     ],
 )
-def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(stack, job, overrides):
+def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(
+    stack, job, overrides, through_job_api, monkeypatch
+):
     """The user-facing verifier on jobs that draw random numbers: 3 kills (one inside a checkpoint save) and a
     reclaim notice (a just-in-time end). The random streams of the training loop and of the DataLoader workers
     continue exactly, so the final model and optimizer are bit-identical and every sample is seen once per epoch.
-    (digits_augment is the digits job plus augmentation: it stands for the plain digits job too.)"""
-    proc = stack["cli"].run("verify-resume", job, "--kills", "3", "--notices", "1", "--json", *overrides, check=True)
+    (digits_augment is the digits job plus augmentation: it stands for the plain digits job too.)
+
+    The digits_augment one runs as a laptop would on a cloud cluster: `--address`, so the verifier itself runs
+    as a Ray job on the cluster and the client prints the report that job produced."""
+    remote = ["--address", stack["dashboard_url"]] if through_job_api else []
+    proc = stack["cli"].run(
+        "verify-resume", job, "--kills", "3", "--notices", "1", "--json", *overrides, *remote, check=True
+    )
     report = json.loads(proc.stdout)
+    if through_job_api:
+        from ray.job_submission import JobSubmissionClient
+
+        monkeypatch.setenv("RAY_AUTH_MODE", stack["env"]["RAY_AUTH_MODE"])  # the stack's auth mode
+        drivers = [
+            j
+            for j in JobSubmissionClient(stack["dashboard_url"]).list_jobs()
+            if (j.metadata or {}).get("elastic_command") == "verify-resume"
+        ]
+        assert [str(j.status.value) for j in drivers] == ["SUCCEEDED"], drivers
+        assert f"submitted Ray job {drivers[0].submission_id}" in proc.stderr
     assert report["identical"] is True and report["max_abs_diff"] == 0.0, report["problems"]
     assert report["first_loss_divergence"] is None
     assert report["samples_exactly_once"] is True and report["passed"] is True
