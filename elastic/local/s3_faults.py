@@ -101,7 +101,7 @@ class FaultProxy:
     async def _set_rates(self, request: web.Request) -> web.Response:
         try:
             self.plan.rates = Rates.from_json(await request.json())
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, AttributeError) as err:  # not JSON, or not an object
             return web.json_response({"error": str(err)}, status=400)
         log.info("fault rates now %s", self.plan.rates)
         return web.json_response(self.plan.snapshot())
@@ -109,7 +109,7 @@ class FaultProxy:
     async def _open_window(self, request: web.Request) -> web.Response:
         try:
             window = self.plan.open_window(Window.from_json(await request.json()))
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, AttributeError) as err:  # not JSON, or not an object
             return web.json_response({"error": str(err)}, status=400)
         log.warning("fault window opened: %s fail with %s", _describe(window), window.kind)
         return web.json_response(self.plan.snapshot())
