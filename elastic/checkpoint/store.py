@@ -157,6 +157,17 @@ class CheckpointStore:
             reason=manifest.get("reason"),
         )
 
+    def restorable_steps(self) -> list[int]:
+        """The committed steps, oldest first, for a restore, which tries the newest first. Torn saves newer
+        than the latest commit (a crash mid-upload) are deleted on the way: the next save of the same step
+        would otherwise reuse their folder, stale shards included."""
+        folders = self.live_folders()
+        committed = sorted(step for step, names in folders.items() if MARKER in names)
+        for step, names in sorted(folders.items()):
+            if MARKER not in names and (not committed or step > committed[-1]):
+                self.delete(step)
+        return committed
+
     def latest_committed(self) -> CheckpointInfo | None:
         committed = [step for step, names in self.live_folders().items() if MARKER in names]
         return self.info(max(committed)) if committed else None

@@ -16,6 +16,11 @@ import fsspec
 from elastic.errors import StorageError
 
 _OBJECT_STORE_SCHEMES = {"s3", "gs", "gcs", "az", "abfs"}
+# Every S3 request of ours and DCP's is retried by the AWS client on 500/503 SlowDown, throttling and
+# dropped connections, in botocore's "standard" mode: up to this many attempts in all, with jittered
+# exponential backoff (1, 2, 4, 8 s at most). (Ray Train's pyarrow client keeps pyarrow's own standard retries:
+# a retry strategy does not survive the pickling that ships the filesystem to the workers.)
+S3_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,8 @@ def fsspec_options(location: StorageLocation) -> dict:
     client_kwargs: dict = {"region_name": s3_region()}
     if s3_endpoint():
         client_kwargs["endpoint_url"] = s3_endpoint()
-    return {"client_kwargs": client_kwargs}
+    retries = {"mode": "standard", "total_max_attempts": S3_ATTEMPTS}
+    return {"client_kwargs": client_kwargs, "config_kwargs": {"retries": retries}}
 
 
 def fsspec_filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:

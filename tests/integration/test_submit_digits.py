@@ -9,6 +9,8 @@ import re
 import boto3
 import pytest
 
+from elastic.local.s3_faults import running_proxy
+
 pytestmark = pytest.mark.integration
 
 RUN_SUFFIX = "it"
@@ -98,6 +100,38 @@ def test_resubmitting_the_same_job_resumes_its_run(stack, stack_env):
     runs = [row for row in status if row["run"] == RUN_NAME]
     assert len(runs) == 2 and all(row["status"] == "SUCCEEDED" for row in runs)
     assert "resumed from checkpoint" in cli.run("logs", RUN_NAME, check=True).stdout
+
+
+def test_a_resume_that_cannot_read_the_latest_checkpoint_falls_back_to_the_one_before(stack, stack_env):
+    """The same run once more, its job talking to S3 through the fault proxy, which resets every read of the
+    latest checkpoint's files: the workers resume from the checkpoint before it (saying so), retire the
+    unreadable one, and train on to the end."""
+    cli = stack["cli"]
+    committed = sorted(
+        int(key.split("/")[-2].split("-")[1])
+        for key in list_keys(stack_env, stack["bucket"], f"runs/{RUN_NAME}/step-")
+        if key.endswith("/COMMITTED.json")
+    )
+    assert committed[-2:] == [69, 92]  # the previous test's final checkpoints
+    with running_proxy(stack_env["AWS_ENDPOINT_URL"], seed=1) as (url, control):
+        control.open_window("reset", match={"methods": ["GET"], "path_contains": f"/{RUN_NAME}/step-000000092/"})
+        proc = cli.run(
+            "submit",
+            "jobs/digits_ddp.yaml",
+            "--suffix",
+            RUN_SUFFIX,
+            "--set",
+            "config.epochs=5",
+            "--set",
+            f"runtime_env.env_vars.AWS_ENDPOINT_URL={url}",
+            "--follow",
+            check=True,
+        )
+        assert control.stats()["injected"]["reset"] > 0
+    assert "checkpoint at step 92 cannot be read" in proc.stdout
+    assert "resumed from checkpoint at step 69" in proc.stdout
+    assert "retired checkpoint at step 92" in proc.stdout
+    assert summary(stack_env, stack["bucket"], RUN_NAME)["metrics"]["step"] == 115  # from 69: two epochs of 23
 
 
 def test_a_run_resumes_at_a_different_worker_count(stack, stack_env):

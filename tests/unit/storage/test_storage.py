@@ -10,6 +10,7 @@ import pytest
 from elastic.errors import StorageError
 from elastic.storage import StorageLocation, check_storage, fsspec_options, parse_uri, pyarrow_filesystem
 from elastic.storage import filesystems as storage
+from elastic.storage.filesystems import S3_ATTEMPTS
 
 _AWS_VARIABLES = [
     "AWS_ENDPOINT_URL",
@@ -120,14 +121,18 @@ def test_child_of_file_uri(tmp_path):
 
 
 def test_fsspec_options_default_to_aws_region_without_endpoint():
-    assert fsspec_options(parse_uri("s3://bucket/x")) == {"client_kwargs": {"region_name": "us-east-1"}}
+    assert fsspec_options(parse_uri("s3://bucket/x")) == {
+        "client_kwargs": {"region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": S3_ATTEMPTS}},
+    }
 
 
 def test_fsspec_options_from_environment(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
     monkeypatch.setenv("AWS_REGION", "eu-west-3")
-    assert fsspec_options(parse_uri("s3://bucket/x")) == {
-        "client_kwargs": {"region_name": "eu-west-3", "endpoint_url": "http://127.0.0.1:9000"}
+    assert fsspec_options(parse_uri("s3://bucket/x"))["client_kwargs"] == {
+        "region_name": "eu-west-3",
+        "endpoint_url": "http://127.0.0.1:9000",
     }
 
 
