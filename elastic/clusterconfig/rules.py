@@ -28,6 +28,8 @@ _WORLD = ("0.0.0.0/0", "::/0")
 STORAGE_ENV = re.compile(r"^(ELASTIC_[A-Z0-9_]*URI|[A-Z0-9_]*CHECKPOINT[A-Z0-9_]*(URI|PATH|DIR))$")
 _BACKGROUND = re.compile(r"(?<![&<>])&(?![&>])")
 WATCHER = re.compile(r"elastic\s+watch-preemption(?P<args>[^;&|\n]*)")
+_PIP_INSTALL = re.compile(r"\bpip3?\s+install\b(?P<args>[^;&|\n]*)")
+_HOME = re.compile(r"^(\$HOME|\$\{HOME\})(?=/|$)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -85,6 +87,7 @@ def check_ray_up(config: dict, cloud: str) -> list[Problem]:
     problems += _check_dashboard(config)
     problems += _check_storage(commands)
     problems += _check_package_pin(commands)
+    problems += _check_elastic_install(config, commands)
     if cloud == "aws":
         problems += _check_aws_ingress(config.get("provider") or {})
     return problems
@@ -315,6 +318,56 @@ def _check_package_pin(commands: dict[str, list[tuple[str, str]]]) -> list[Probl
                         )
                     )
     return problems
+
+
+def _check_elastic_install(config: dict, commands: dict[str, list[tuple[str, str]]]) -> list[Problem]:
+    """Every node installs elastic: a published release (pinned, above) or a source tree file_mounts ships."""
+    mounts = {_home_path(str(remote)) for remote in config.get("file_mounts") or {}}
+    problems, seen = [], set()
+    for name, cmds in commands.items():
+        installs_elastic = False
+        for key, cmd in cmds:
+            for match in _PIP_INSTALL.finditer(cmd):
+                for arg in match.group("args").split():
+                    arg = arg.strip("'\"")
+                    if "elastic-train" in arg:
+                        installs_elastic = True
+                    if not re.match(r"^(~|\$HOME|\$\{HOME\}|/)", arg):
+                        continue
+                    tree = _home_path(re.sub(r"\[[^\]]*\]$", "", arg))
+                    installs_elastic = True  # a source tree; whether it reaches the nodes is checked here
+                    if f"{tree}/pyproject.toml" in mounts or (key, tree) in seen:
+                        continue
+                    seen.add((key, tree))
+                    shipped = any(m == tree or m.startswith(tree + "/") for m in mounts)
+                    what = (
+                        f"but file_mounts copy no {tree}/pyproject.toml"
+                        if shipped
+                        else "which no file_mounts entry copies to the nodes"
+                    )
+                    problems.append(
+                        Problem(
+                            key,
+                            f"installs {tree}, {what}; add file_mounts {{'{tree}/pyproject.toml': 'pyproject.toml', "
+                            f"'{tree}/README.md': 'README.md', '{tree}/elastic': 'elastic'}} and run `ray up` from "
+                            "the repository root",
+                        )
+                    )
+        if not installs_elastic:
+            problems.append(
+                Problem(
+                    f"available_node_types.{name}",
+                    "no setup command installs elastic on these nodes; ship this checkout with file_mounts "
+                    '(~/elastic-src/pyproject.toml, README.md, elastic/) and `pip install "$HOME/elastic-src"` in '
+                    "setup_commands",
+                )
+            )
+    return problems
+
+
+def _home_path(path: str) -> str:
+    """$HOME/x and ~/x name the same remote path; trailing slashes do not matter."""
+    return _HOME.sub("~", path.strip()).rstrip("/")
 
 
 def storage_problem(key: str, var: str, value: str) -> list[Problem]:

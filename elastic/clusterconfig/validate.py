@@ -20,7 +20,9 @@ security group it creates and nodes accept keys only; any other port open to 0.0
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import logging
 from pathlib import Path
 
@@ -112,8 +114,11 @@ def ray_schema_problems(config: dict) -> list[Problem]:
     quiet = logging.getLogger("ray.autoscaler._private.util")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # prepare_config logs routine INFO lines ("setting max workers ...")
+    # Ray's CLI logger writes its advice to stdout (e.g. that a file in file_mounts would not update inside a docker
+    # container); our report, --json included, owns stdout.
     try:
-        validate_config(prepare_config(copy.deepcopy(config)))
+        with contextlib.redirect_stdout(io.StringIO()):
+            validate_config(prepare_config(copy.deepcopy(config)))
     except jsonschema.ValidationError as err:
         return [Problem(key_path(err.absolute_path) or "(top level)", f"{one_line(err.message)} (Ray's schema)")]
     except Exception as err:  # Ray raises ValueError, KeyError, NotImplementedError...: report, don't crash

@@ -312,16 +312,44 @@ BROKEN = [
     (
         "unpinned",
         AWS,
-        _replace_in("setup_commands.1", '"elastic-train==0.1.0"', "elastic-train"),
+        _replace_in("setup_commands.1", '"$HOME/elastic-src"', "elastic-train"),
         "setup_commands[1]",
         "installs elastic-train unpinned",
     ),
     (
         "stale-pin",
         AWS,
-        _replace_in("setup_commands.1", "elastic-train==0.1.0", "elastic-train==0.0.1"),
+        _replace_in("setup_commands.1", '"$HOME/elastic-src"', "elastic-train==0.0.1"),
         "setup_commands[1]",
         "installs elastic-train==0.0.1 but this elastic is",
+    ),
+    (
+        "install-unshipped-tree",
+        AWS,
+        _replace_in("setup_commands.1", '"$HOME/elastic-src"', "~/elastic-checkout"),
+        "setup_commands[1]",
+        "installs ~/elastic-checkout, which no file_mounts entry copies to the nodes; add file_mounts",
+    ),
+    (
+        "checkout-not-shipped",
+        GCP,
+        lambda c: [c["file_mounts"].pop(k) for k in list(c["file_mounts"]) if k.startswith("~/elastic-src")],
+        "setup_commands[1]",
+        "installs ~/elastic-src, which no file_mounts entry copies to the nodes",
+    ),
+    (
+        "install-nothing",
+        GCP,
+        _delete("setup_commands.1"),
+        "available_node_types.head",
+        "no setup command installs elastic on these nodes",
+    ),
+    (
+        "checkout-not-mounted",
+        GCP,
+        lambda c: c["file_mounts"].pop("~/elastic-src/pyproject.toml"),
+        "setup_commands[1]",
+        "installs ~/elastic-src, but file_mounts copy no ~/elastic-src/pyproject.toml; add file_mounts",
     ),
     # --- GCP
     (
@@ -549,3 +577,36 @@ def test_unreadable_inputs_exit_2_with_one_line(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "not valid YAML" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what the nodes install
+
+
+def _uncommented(text: str) -> str:
+    return "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")) + [ROOT / "Dockerfile"], ids=lambda p: p.name)
+def test_nothing_installs_an_unpublished_release(path):
+    """elastic-train is on no index yet: every node and image installs the checkout, never `elastic-train==...`."""
+    assert "elastic-train==" not in _uncommented(path.read_text())
+
+
+@pytest.mark.parametrize("name", [AWS, GCP])
+def test_ray_up_configs_ship_the_package_sources(name):
+    config = load(name)
+    mounts = config["file_mounts"]
+    for local in ("pyproject.toml", "README.md", "elastic"):
+        assert mounts[f"~/elastic-src/{local}"] == local and (ROOT / local).exists()
+    extra = "[gcp]" if name == GCP else ""
+    assert f'pip install -q "$HOME/elastic-src{extra}"' in " ".join(config["setup_commands"])
+
+
+def test_dockerfile_installs_the_checkout_on_rays_image():
+    text = _uncommented((ROOT / "Dockerfile").read_text())
+    assert "FROM rayproject/ray:2.60.0-py311-gpu" in text
+    assert "COPY --chown=ray:users elastic /tmp/elastic-src/elastic" in text
+    assert 'pip install --no-cache-dir "/tmp/elastic-src${EXTRAS:+[$EXTRAS]}"' in text
+    # .dockerignore keeps the context to what the COPY lines need (no .venv, no .git)
+    assert (ROOT / ".dockerignore").read_text().splitlines()[1:4] == ["*", "!pyproject.toml", "!README.md"]
