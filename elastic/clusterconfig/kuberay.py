@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import jsonschema
 
-from elastic.clusterconfig.kuberay_schema import RAYCLUSTER_SCHEMA
-from elastic.clusterconfig.problems import Problem, key_path, one_line
+from elastic.clusterconfig.crd_schema import kuberay_release, raycluster_schema
+from elastic.clusterconfig.problems import Problem, key_path, one_line, suggest
 from elastic.clusterconfig.rules import STORAGE_ENV, WATCHER, WATCHER_COMMAND, check_labels, storage_problem
 from elastic.placement.labels import MARKET_LABEL, MARKETS, ROLE_LABEL, WORKER_ROLE
 
@@ -28,15 +28,19 @@ K8S_SPOT_SELECTORS = {
 
 
 def check_kuberay(manifest: dict) -> list[Problem]:
-    validator = jsonschema.Draft7Validator(RAYCLUSTER_SCHEMA)
-    errors = sorted(validator.iter_errors(manifest), key=lambda e: list(map(str, e.absolute_path)))
-    if errors:
-        return [
-            Problem(key_path(e.absolute_path) or "(top level)", f"{one_line(e.message)} (RayCluster schema)")
-            for e in errors
-        ]
+    problems = crd_problems(manifest)
+    if problems:  # our checks assume the shape the CRD guarantees
+        return problems
     spec = manifest["spec"]
-    problems: list[Problem] = []
+    kuberay_token_auth = (spec.get("authOptions") or {}).get("mode") == "token"
+    if "authOptions" in spec and not kuberay_token_auth:
+        problems.append(
+            Problem(
+                "spec.authOptions.mode",
+                f"{(spec['authOptions'] or {}).get('mode') or '(unset)'}: KubeRay turns token authentication on "
+                "only with mode: token; set authOptions: {mode: token, secretName: SECRET}",
+            )
+        )
     if spec.get("enableInTreeAutoscaling") is not True:
         problems.append(
             Problem(
@@ -45,7 +49,7 @@ def check_kuberay(manifest: dict) -> list[Problem]:
             )
         )
     head = spec["headGroupSpec"]
-    problems += _check_k8s_group("spec.headGroupSpec", head, is_head=True)
+    problems += _check_k8s_group("spec.headGroupSpec", head, True, kuberay_token_auth)
     if head.get("serviceType") in ("NodePort", "LoadBalancer") or head.get("enableIngress") is True:
         what = "enableIngress: true" if head.get("enableIngress") is True else f"serviceType: {head['serviceType']}"
         problems.append(
@@ -68,7 +72,7 @@ def check_kuberay(manifest: dict) -> list[Problem]:
     spot, on_demand = [], []
     for i, group in enumerate(spec.get("workerGroupSpecs") or []):
         key = f"spec.workerGroupSpecs[{i}]"
-        problems += _check_k8s_group(key, group, is_head=False)
+        problems += _check_k8s_group(key, group, False, kuberay_token_auth)
         selected = _k8s_market(group)
         if (group.get("labels") or {}).get(ROLE_LABEL) == WORKER_ROLE and _k8s_gpus(group) > 0:
             (spot if selected == "spot" else on_demand).append(group["groupName"])
@@ -108,7 +112,26 @@ def check_kuberay(manifest: dict) -> list[Problem]:
     return problems
 
 
-def _check_k8s_group(key: str, group: dict, is_head: bool) -> list[Problem]:
+def crd_problems(manifest: dict) -> list[Problem]:
+    """KubeRay's own CRD schema (crd_schema.py): one problem per violation, unknown fields with a suggestion."""
+    validator = jsonschema.Draft7Validator(raycluster_schema())
+    errors = sorted(validator.iter_errors(manifest), key=lambda e: list(map(str, e.absolute_path)))
+    where = f"(KubeRay {kuberay_release()} RayCluster CRD)"
+    problems = []
+    for error in errors:
+        message = one_line(error.message)
+        if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+            known = error.schema.get("properties") or {}
+            unknown = [name for name in error.instance if name not in known]
+            hint = suggest(unknown[0], known).strip() if unknown else ""
+            message += f" {where}{'; ' + hint.strip('()') if hint else ''}"
+        else:
+            message += f" {where}"
+        problems.append(Problem(key_path(error.absolute_path) or "(top level)", message))
+    return problems
+
+
+def _check_k8s_group(key: str, group: dict, is_head: bool, kuberay_token_auth: bool) -> list[Problem]:
     problems = []
     params = group.get("rayStartParams") or {}
     if "labels" in params:
@@ -153,12 +176,13 @@ def _check_k8s_group(key: str, group: dict, is_head: bool) -> list[Problem]:
             )
         )
     ray_env = {env["name"] for env in group["template"]["spec"]["containers"][0].get("env") or []}
-    if "RAY_AUTH_MODE" not in ray_env:
+    if "RAY_AUTH_MODE" not in ray_env and not kuberay_token_auth:  # KubeRay sets it in the Ray container
         problems.append(
             Problem(
                 f"{key}.template.spec.containers[0].env",
-                "Ray token authentication is off in this group; set RAY_AUTH_MODE=token and "
-                "RAY_AUTH_TOKEN from a Secret in the Ray container",
+                "Ray token authentication is off in this group; set spec.authOptions: {mode: token, "
+                "secretName: SECRET} (KubeRay >= 1.5), or RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from a Secret "
+                "in the Ray container",
             )
         )
     for c, container in enumerate(group["template"]["spec"]["containers"]):

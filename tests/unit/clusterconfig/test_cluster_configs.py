@@ -7,11 +7,13 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 from click.testing import CliRunner
 
 from elastic.cli import cli
+from elastic.clusterconfig import crd_schema
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "cluster-configs"
@@ -417,7 +419,7 @@ BROKEN = [
         KUBERAY,
         lambda c: c["spec"]["workerGroupSpecs"][0]["template"]["spec"].update(nodeSelecter={}),
         f"{K_SPOT_KEY}.template.spec",
-        "Additional properties are not allowed ('nodeSelecter' was unexpected) (RayCluster schema)",
+        "Additional properties are not allowed ('nodeSelecter' was unexpected) (KubeRay v1.7.0 RayCluster CRD); did you mean 'nodeSelector'?",
     ),
     (
         "k8s-schema-type",
@@ -515,9 +517,46 @@ BROKEN = [
     (
         "k8s-no-auth",
         KUBERAY,
-        lambda c: c["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0].update(env=[]),
+        lambda c: c["spec"].pop("authOptions"),
         "spec.workerGroupSpecs[1].template.spec.containers[0].env",
-        "Ray token authentication is off in this group",
+        "Ray token authentication is off in this group; set spec.authOptions: {mode: token",
+    ),
+    (
+        "k8s-auth-disabled",
+        KUBERAY,
+        _set("spec.authOptions.mode", "disabled"),
+        "spec.authOptions.mode",
+        "disabled: KubeRay turns token authentication on only with mode: token",
+    ),
+    (
+        "k8s-auth-mode-enum",
+        KUBERAY,
+        _set("spec.authOptions.mode", "tokens"),
+        "spec.authOptions.mode",
+        "'tokens' is not one of ['disabled', 'token'] (KubeRay v1.7.0 RayCluster CRD)",
+    ),
+    (
+        "k8s-container-typo",
+        KUBERAY,
+        lambda c: c["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0].update(
+            imagePullPolicyy="Always"
+        ),
+        "spec.workerGroupSpecs[1].template.spec.containers[0]",
+        "('imagePullPolicyy' was unexpected) (KubeRay v1.7.0 RayCluster CRD); did you mean 'imagePullPolicy'?",
+    ),
+    (
+        "k8s-deep-typo",
+        KUBERAY,
+        lambda c: c["spec"]["workerGroupSpecs"][0]["template"]["spec"]["tolerations"][0].update(efect="NoSchedule"),
+        "spec.workerGroupSpecs[0].template.spec.tolerations[0]",
+        "('efect' was unexpected) (KubeRay v1.7.0 RayCluster CRD); did you mean 'effect'?",
+    ),
+    (
+        "k8s-wrong-kind",
+        KUBERAY,
+        _set("apiVersion", "ray.io/v1alpha1"),
+        "apiVersion",
+        "'ray.io/v1' was expected",
     ),
     (
         "k8s-local-checkpoints",
@@ -525,7 +564,7 @@ BROKEN = [
         lambda c: c["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"].append(
             {"name": "ELASTIC_RUNS_URI", "value": "/data/runs"}
         ),
-        "spec.headGroupSpec.template.spec.containers[0].env[6]",
+        "spec.headGroupSpec.template.spec.containers[0].env[4]",
         "is node-local storage",
     ),
 ]
@@ -610,3 +649,52 @@ def test_dockerfile_installs_the_checkout_on_rays_image():
     assert 'pip install --no-cache-dir "/tmp/elastic-src${EXTRAS:+[$EXTRAS]}"' in text
     # .dockerignore keeps the context to what the COPY lines need (no .venv, no .git)
     assert (ROOT / ".dockerignore").read_text().splitlines()[1:4] == ["*", "!pyproject.toml", "!README.md"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KubeRay's CRD schema
+
+
+def test_vendored_crd_says_where_it_came_from():
+    vendored = crd_schema.vendored()
+    assert vendored["release"] == "v1.7.0" and len(vendored["commit"]) == 40
+    assert vendored["source"].endswith("/v1.7.0/ray-operator/config/crd/bases/ray.io_rayclusters.yaml")
+    assert "authOptions" in vendored["openAPIV3Schema"]["properties"]["spec"]["properties"]
+
+
+def test_crd_conversion_rejects_unknown_fields_unless_preserved():
+    crd = {
+        "type": "object",
+        "properties": {
+            "strict": {"type": "object", "properties": {"a": {"type": "string"}}},
+            "open": {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": {"a": {}}},
+            "bare": {"type": "object"},
+            "port": {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]},
+            "maybe": {"type": "string", "nullable": True},
+            # a field named like a keyword is still a field
+            "type": {"type": "object", "properties": {"type": {"type": "string"}}},
+        },
+    }
+    validator = jsonschema.Draft7Validator(crd_schema.as_json_schema(crd))
+    assert validator.is_valid({"strict": {"a": "x"}, "open": {"b": 1}, "bare": {"c": 2}, "port": 80, "maybe": None})
+    assert validator.is_valid({"port": "http", "type": {"type": "x"}})
+    assert not validator.is_valid({"strict": {"b": "x"}})
+    assert not validator.is_valid({"type": {"kind": "x"}})
+    assert not validator.is_valid({"extra": 1})
+    assert not validator.is_valid({"port": 1.5})
+
+
+def test_kuberay_manifest_with_every_optional_block_still_validates(tmp_path):
+    """Fields of the real CRD that the old hand-kept subset rejected pass now."""
+    config = load(KUBERAY)
+    config["spec"]["authOptions"]["enableK8sTokenAuth"] = False
+    config["spec"]["headGroupSpec"]["headService"] = {"metadata": {"annotations": {"a": "b"}}}
+    config["spec"]["workerGroupSpecs"][0]["idleTimeoutSeconds"] = 120
+    pod = config["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    pod["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
+    pod["containers"][0]["volumeMounts"] = [{"name": "shm", "mountPath": "/dev/shm"}]
+    pod["volumes"] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
+    path = tmp_path / "k.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = validate(path)
+    assert result.exit_code == 0, result.output
