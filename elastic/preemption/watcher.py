@@ -205,17 +205,22 @@ def drain_now(
     except ElasticError as err:  # DrainError, ClusterError: no Ray node to drain, nothing to hold for
         emit(f"{err}; not holding the shutdown")
         return 1
-    if not outcome.accepted:
-        emit(f"Ray rejected the drain of node {outcome.node_id} ({outcome.reason or 'no reason given'})")
-        return 1
-    emit(f"draining node {outcome.node_id}, deadline in {deadline - started:.1f} s; holding the shutdown until then")
+    if outcome.accepted:
+        emit(
+            f"draining node {outcome.node_id}, deadline in {deadline - started:.1f} s; holding the shutdown until then"
+        )
+    else:  # e.g. the spot watcher drained it a moment ago: the run still needs the node up until the deadline
+        emit(
+            f"Ray rejected the drain of node {outcome.node_id} ({outcome.reason or 'no reason given'}); "
+            "holding the shutdown anyway while the node is up"
+        )
     while clock() < deadline:
         if not drainer.is_alive():
             emit(f"node {outcome.node_id} has ended (it was idle, or its work moved): releasing the shutdown")
-            return 0
+            return 0 if outcome.accepted else 1
         sleep(min(1.0, deadline - clock()))
     emit(f"drain deadline reached for node {outcome.node_id}: releasing the shutdown")
-    return 0
+    return 0 if outcome.accepted else 1
 
 
 def watch(

@@ -521,10 +521,16 @@ def test_drain_now_releases_at_once_when_ray_ends_the_node(clock):
     assert "has ended" in lines[-1]
 
 
-def test_drain_now_rejected_or_unreachable_does_not_hold(clock):
+def test_drain_now_rejected_still_holds_while_the_node_is_up(clock):
+    """A node the spot watcher drained a moment ago: Ray may refuse a second drain, the run still needs it up."""
     lines = []
+    start = clock.now
     assert drain_now(RecordingDrainer(False), 13, 2, clock=clock, sleep=clock.sleep, emit=lines.append) == 1
-    assert clock.sleeps == [] and "rejected" in lines[-1]
+    assert "rejected" in lines[0] and clock.now == pytest.approx(start + 11)
+
+
+def test_drain_now_without_a_ray_node_does_not_hold(clock):
+    lines = []
 
     class Unreachable(RecordingDrainer):
         def drain(self, deadline_s, message):
