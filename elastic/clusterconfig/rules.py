@@ -188,15 +188,27 @@ def _check_head(config: dict, base: str, node_type: dict, market: str, cloud: st
     return problems
 
 
+_SUPERVISED_HINT = (
+    'sudo systemd-run --unit=elastic-watcher --collect --uid="$(id -u)" -p Restart=always -p RestartSec=2 '
+    '-p StandardOutput=append:"$(readlink -f /tmp/ray/session_latest)/logs/elastic-watch-preemption.log" '
+    f"/bin/bash -c 'source ~/.elastic-env && exec {WATCHER_COMMAND} --provider CLOUD'"
+)
+
+
 def _check_watcher(commands: list[tuple[str, str]], base: str, cloud: str) -> list[Problem]:
-    started = [(key, cmd, match) for key, cmd in commands for match in [WATCHER.search(cmd)] if match]
+    hint = _SUPERVISED_HINT.replace("CLOUD", cloud)
+    started = [
+        (key, cmd, match)
+        for key, cmd in commands
+        for match in WATCHER.finditer(cmd)
+        if "--drain-now" not in match.group("args")  # a shutdown unit's drain, not the watcher itself
+    ]
     if not started:
         return [
             Problem(
                 base,
-                f"spot nodes of this type do not start the preemption watcher; add "
-                f"`nohup {WATCHER_COMMAND} --provider {cloud} >/tmp/ray/elastic-watcher.log 2>&1 &` "
-                "to worker_start_ray_commands (after `ray start`)",
+                f"spot nodes of this type do not start the preemption watcher; add `{hint}` to "
+                "worker_start_ray_commands (after `ray start`)",
             )
         ]
     problems = []
@@ -210,13 +222,19 @@ def _check_watcher(commands: list[tuple[str, str]], base: str, cloud: str) -> li
                     f"{cloud} cluster; use --provider {cloud}",
                 )
             )
-        if not _BACKGROUND.search(cmd[match.start() :]):
+        # Supervised: a systemd unit that restarts it (nohup in the setup's SSH session is never restarted, and
+        # is killed with the session's scope when the VM shuts down).
+        launcher = cmd[: match.start()]
+        if "systemd-run" not in launcher:
+            why = (
+                "runs in the foreground and would block node setup"
+                if not _BACKGROUND.search(cmd[match.start() :])
+                else "is not supervised: nothing restarts it when it exits"
+            )
+            problems.append(Problem(key, f"the watcher {why}; start it as a systemd unit: `{hint}`"))
+        elif not re.search(r"Restart=(always|on-failure)", launcher):
             problems.append(
-                Problem(
-                    key,
-                    "the watcher runs in the foreground and would block node setup; "
-                    f"start it with `nohup {WATCHER_COMMAND} ... &`",
-                )
+                Problem(key, "the watcher's systemd unit is never restarted; add -p Restart=always -p RestartSec=2")
             )
     return problems
 

@@ -241,9 +241,27 @@ BROKEN = [
     (
         "watcher-foreground",
         AWS,
-        _replace_in("worker_start_ray_commands.2", "2>&1 &", "2>&1;"),
+        lambda c: c["worker_start_ray_commands"].__setitem__(
+            2, "source ~/.elastic-env; elastic watch-preemption --provider aws >/tmp/w.log 2>&1"
+        ),
         "worker_start_ray_commands[2]",
-        "the watcher runs in the foreground",
+        "the watcher runs in the foreground and would block node setup; start it as a systemd unit: `sudo systemd-run",
+    ),
+    (
+        "watcher-nohup",
+        AWS,
+        lambda c: c["worker_start_ray_commands"].__setitem__(
+            2, "source ~/.elastic-env; nohup elastic watch-preemption --provider aws >/tmp/w.log 2>&1 &"
+        ),
+        "worker_start_ray_commands[2]",
+        "the watcher is not supervised: nothing restarts it when it exits; start it as a systemd unit",
+    ),
+    (
+        "watcher-unit-not-restarted",
+        GCP,
+        _replace_in("worker_start_ray_commands.2", "-p Restart=always", ""),
+        "worker_start_ray_commands[2]",
+        "the watcher's systemd unit is never restarted; add -p Restart=always",
     ),
     (
         "watcher-provider",
