@@ -716,3 +716,52 @@ def test_kuberay_manifest_with_every_optional_block_still_validates(tmp_path):
     path.write_text(yaml.safe_dump(config))
     result = validate(path)
     assert result.exit_code == 0, result.output
+
+
+# ---------------------------------------------------------------------------------------------------------
+# AWS IAM policies
+
+
+def _statements(name: str) -> list[dict]:
+    return json.loads((CONFIGS / "aws-iam" / name).read_text())["Statement"]
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def test_head_policy_scopes_every_instance_action_to_this_clusters_tag():
+    """Launch, terminate, stop, start and tag only instances tagged with the config's cluster_name."""
+    cluster = load(AWS)["cluster_name"]
+    mutating = {"ec2:RunInstances", "ec2:TerminateInstances", "ec2:StopInstances", "ec2:StartInstances"}
+    seen = set()
+    for statement in _statements("head-policy.json"):
+        actions = set(_as_list(statement["Action"]))
+        on_instances = [r for r in _as_list(statement["Resource"]) if r in ("*", "arn:aws:ec2:*:*:instance/*")]
+        if not (actions & (mutating | {"ec2:CreateTags"})) or not on_instances:
+            continue
+        assert on_instances == ["arn:aws:ec2:*:*:instance/*"], statement["Sid"]  # never Resource "*"
+        condition = statement["Condition"]["StringEquals"]
+        if "ec2:CreateAction" in condition:  # tags written by the launch itself
+            assert actions == {"ec2:CreateTags"} and condition["ec2:CreateAction"] == "RunInstances"
+            continue
+        tag = (
+            "aws:RequestTag/ray-cluster-name" if actions == {"ec2:RunInstances"} else "ec2:ResourceTag/ray-cluster-name"
+        )
+        assert condition == {tag: cluster}, statement["Sid"]
+        seen |= actions
+    assert mutating <= seen
+
+
+def test_head_policy_resolves_the_ssm_image_parameter():
+    image = load(AWS)["available_node_types"]["gpu_spot_g5"]["node_config"]["ImageId"]
+    parameter = image.removeprefix("resolve:ssm:")
+    [statement] = [s for s in _statements("head-policy.json") if "ssm:GetParameters" in _as_list(s["Action"])]
+    prefix = statement["Resource"].split(":parameter", 1)[1].rstrip("*")
+    assert parameter.startswith(prefix)
+
+
+def test_worker_policy_has_no_ec2_rights():
+    assert not [
+        s for s in _statements("worker-policy.json") if any(a.startswith("ec2:") for a in _as_list(s["Action"]))
+    ]
