@@ -3,11 +3,13 @@ periods that outlive the drain deadline, autoscaling, and the labels jobs select
 
 from __future__ import annotations
 
+import re
+
 import jsonschema
 
 from elastic.clusterconfig.crd_schema import kuberay_release, raycluster_schema
 from elastic.clusterconfig.problems import Problem, key_path, one_line, suggest
-from elastic.clusterconfig.rules import STORAGE_ENV, WATCHER, WATCHER_COMMAND, check_labels, storage_problem
+from elastic.clusterconfig.rules import STORAGE_ENV, WATCHER, check_labels, storage_problem
 from elastic.placement.labels import MARKET_LABEL, MARKETS, ROLE_LABEL, WORKER_ROLE
 
 # The longest spot notice among the clouds (AWS: 2 minutes); Ray drains a node within it. Pods of a KubeRay
@@ -31,6 +33,12 @@ def check_kuberay(manifest: dict) -> list[Problem]:
     problems = crd_problems(manifest)
     if problems:  # our checks assume the shape the CRD guarantees
         return problems
+    groups = [("spec.headGroupSpec", manifest["spec"]["headGroupSpec"])] + [
+        (f"spec.workerGroupSpecs[{i}]", g) for i, g in enumerate(manifest["spec"].get("workerGroupSpecs") or [])
+    ]
+    empty = [key for key, group in groups if not group["template"]["spec"].get("containers")]
+    if empty:  # the API server would refuse the pods; the rules below read the Ray container
+        return [Problem(f"{key}.template.spec.containers", "no containers; the first one runs Ray") for key in empty]
     spec = manifest["spec"]
     kuberay_token_auth = (spec.get("authOptions") or {}).get("mode") == "token"
     if "authOptions" in spec and not kuberay_token_auth:
@@ -48,8 +56,18 @@ def check_kuberay(manifest: dict) -> list[Problem]:
                 "autoscaling is off: reclaimed spot pods are not replaced; set enableInTreeAutoscaling: true",
             )
         )
+    mode = (spec.get("autoscalerOptions") or {}).get("upscalingMode", "Default")
+    if spec.get("enableInTreeAutoscaling") is True and mode != "Conservative":
+        problems.append(
+            Problem(
+                "spec.autoscalerOptions.upscalingMode",
+                f"{mode} scales up without a rate limit (Ray's upscaling_speed 1000): a burst of spot requests "
+                "that a short pool refuses together; set upscalingMode: Conservative",
+            )
+        )
     head = spec["headGroupSpec"]
     problems += _check_k8s_group("spec.headGroupSpec", head, True, kuberay_token_auth)
+    problems += _check_head_placement_and_account(spec)
     if head.get("serviceType") in ("NodePort", "LoadBalancer") or head.get("enableIngress") is True:
         what = "enableIngress: true" if head.get("enableIngress") is True else f"serviceType: {head['serviceType']}"
         problems.append(
@@ -201,6 +219,52 @@ def _check_k8s_group(key: str, group: dict, is_head: bool, kuberay_token_auth: b
     return problems
 
 
+def _check_head_placement_and_account(spec: dict) -> list[Problem]:
+    problems = []
+    pod = spec["headGroupSpec"]["template"]["spec"]
+    if not _avoids_spot(pod):
+        problems.append(
+            Problem(
+                "spec.headGroupSpec.template.spec.affinity",
+                "nothing keeps the head off spot nodes of a pool created without the spot taint; add a required "
+                "nodeAffinity with {key: cloud.google.com/gke-spot, operator: NotIn, values: ['true']} (or your "
+                "platform's spot label)",
+            )
+        )
+    head_account = pod.get("serviceAccountName") or "(the cluster's name)"
+    for i, group in enumerate(spec.get("workerGroupSpecs") or []):
+        if spec.get("enableInTreeAutoscaling") is True and group["template"]["spec"].get("serviceAccountName") == (
+            pod.get("serviceAccountName") or spec.get("metadata", {}).get("name")
+        ):
+            problems.append(
+                Problem(
+                    f"spec.workerGroupSpecs[{i}].template.spec.serviceAccountName",
+                    f"shares the head's service account {head_account}, to which KubeRay binds the autoscaler's "
+                    "Role (patch pods and the RayCluster): every worker pod would hold it; give the head its own",
+                )
+            )
+    return problems
+
+
+def _avoids_spot(pod: dict) -> bool:
+    """A required node affinity that excludes a spot label (NotIn its spot value, or DoesNotExist)."""
+    required = ((pod.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    terms = required.get("nodeSelectorTerms") or []
+    return bool(terms) and all(
+        any(
+            e.get("key") in K8S_SPOT_SELECTORS
+            and (
+                e.get("operator") == "DoesNotExist"
+                or (e.get("operator") == "NotIn" and K8S_SPOT_SELECTORS[e["key"]] in (e.get("values") or []))
+            )
+            for e in term.get("matchExpressions") or []
+        )
+        for term in terms
+    )
+
+
 def _check_k8s_spot_group(key: str, group: dict) -> list[Problem]:
     problems = []
     pod = group["template"]["spec"]
@@ -216,15 +280,27 @@ def _check_k8s_spot_group(key: str, group: dict) -> list[Problem]:
                 "effect: NoSchedule}",
             )
         )
-    if not any(
-        WATCHER.search(" ".join(c.get("command", []) + c.get("args", [])))
-        for c in pod["containers"] + pod.get("initContainers", [])
-    ):
+    ray = pod["containers"][0]
+    hook = " ".join(((((ray.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")) or [])
+    drain = re.search(r"--drain-now[= ]+(\d+(\.\d+)?)", hook) if WATCHER.search(hook) else None
+    watcher_container = any(
+        WATCHER.search(" ".join(c.get("command", []) + c.get("args", []))) for c in pod["containers"][1:]
+    )
+    if drain is None and not watcher_container:
         problems.append(
             Problem(
-                f"{key}.template.spec.containers",
-                "spot pods do not start the preemption watcher; add a sidecar container running "
-                f"`{WATCHER_COMMAND} --provider auto`",
+                f"{key}.template.spec.containers[0].lifecycle",
+                "spot pods never drain their Ray node before they stop; add lifecycle: {preStop: {exec: {command: "
+                "[elastic, watch-preemption, --drain-now, '13']}}} to the Ray container",
+            )
+        )
+    grace = pod.get("terminationGracePeriodSeconds", 30)
+    if drain is not None and float(drain.group(1)) >= grace:
+        problems.append(
+            Problem(
+                f"{key}.template.spec.containers[0].lifecycle.preStop",
+                f"--drain-now {drain.group(1)} holds the pod past its terminationGracePeriodSeconds ({grace}): "
+                "the kubelet kills it before the drain's deadline; lower --drain-now or raise the grace period",
             )
         )
     return problems

@@ -528,9 +528,47 @@ BROKEN = [
     (
         "k8s-no-watcher",
         KUBERAY,
-        lambda c: c["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"].pop(),
-        f"{K_SPOT_KEY}.template.spec.containers",
-        "spot pods do not start the preemption watcher",
+        lambda c: c["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].pop("lifecycle"),
+        f"{K_SPOT_KEY}.template.spec.containers[0].lifecycle",
+        "spot pods never drain their Ray node before they stop; add lifecycle: {preStop: {exec: {command: "
+        "[elastic, watch-preemption, --drain-now, '13']}}}",
+    ),
+    (
+        "k8s-drain-outlives-grace",
+        KUBERAY,
+        lambda c: c["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].update(
+            lifecycle={"preStop": {"exec": {"command": ["elastic", "watch-preemption", "--drain-now", "160"]}}}
+        ),
+        f"{K_SPOT_KEY}.template.spec.containers[0].lifecycle.preStop",
+        "--drain-now 160 holds the pod past its terminationGracePeriodSeconds (150)",
+    ),
+    (
+        "k8s-no-containers",
+        KUBERAY,
+        lambda c: c["spec"]["workerGroupSpecs"][1]["template"]["spec"].update(containers=[]),
+        "spec.workerGroupSpecs[1].template.spec.containers",
+        "no containers; the first one runs Ray",
+    ),
+    (
+        "k8s-upscaling-default",
+        KUBERAY,
+        _set("spec.autoscalerOptions.upscalingMode", "Default"),
+        "spec.autoscalerOptions.upscalingMode",
+        "Default scales up without a rate limit (Ray's upscaling_speed 1000)",
+    ),
+    (
+        "k8s-shared-account",
+        KUBERAY,
+        _set("spec.headGroupSpec.template.spec.serviceAccountName", "elastic-worker"),
+        "spec.workerGroupSpecs[0].template.spec.serviceAccountName",
+        "shares the head's service account elastic-worker, to which KubeRay binds the autoscaler's Role",
+    ),
+    (
+        "k8s-head-may-land-on-spot",
+        KUBERAY,
+        lambda c: c["spec"]["headGroupSpec"]["template"]["spec"].pop("affinity"),
+        "spec.headGroupSpec.template.spec.affinity",
+        "nothing keeps the head off spot nodes of a pool created without the spot taint",
     ),
     (
         "k8s-no-auth",
