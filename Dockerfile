@@ -19,8 +19,8 @@ ARG EXTRAS=gcp
 COPY --chown=ray:users pyproject.toml README.md /tmp/elastic-src/
 COPY --chown=ray:users elastic /tmp/elastic-src/elastic
 
-# pip >= 25.1: older resolvers give up on s3fs's botocore pin (ResolutionImpossible).
-RUN pip install --no-cache-dir --upgrade "pip>=25.1" \
+# pip >= 25.0: older resolvers give up on s3fs's botocore pin (ResolutionImpossible).
+RUN pip install --no-cache-dir --upgrade "pip>=25.0" \
     && pip install --no-cache-dir "/tmp/elastic-src${EXTRAS:+[$EXTRAS]}" \
     && rm -rf /tmp/elastic-src \
     && elastic --version

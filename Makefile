@@ -5,10 +5,10 @@ BIN := $(VENV)/bin
 # The CPU build of torch, pinned here (not in pyproject) so the install stays small on CPU machines;
 # override on a GPU box, e.g. `make install TORCH_SPEC='torch==2.13.0'` from the CUDA index.
 TORCH_SPEC ?= torch==2.13.0
-# The oldest pip whose resolver installs '.[dev]': older ones (23.2, the pip of a fresh Python 3.11 venv, and
-# 24.0) take the newest boto3 first, find no aiobotocore (s3fs) that accepts its botocore, and give up with
-# ResolutionImpossible instead of trying an older boto3.
-MIN_PIP := 25.1
+# The oldest pip seen to install '.[dev]' (25.0.1 and 25.1.1 did): 23.2, the pip of a fresh Python 3.11 venv,
+# takes the newest boto3 first, finds no aiobotocore (s3fs) that accepts its botocore, backtracks through every
+# aiobotocore and s3fs instead of an older boto3, and gives up with ResolutionImpossible.
+MIN_PIP := 25.0
 # One auth mode for every Ray process, driver and CLI call of the local stack (README: Development notes).
 export RAY_AUTH_MODE ?= disabled
 
