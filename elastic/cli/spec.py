@@ -28,8 +28,10 @@ def spec_schema() -> None:
 def spec_check(job_file: Path, overrides: tuple[str, ...]) -> None:
     """Validate a job file and print it with defaults filled in."""
     from elastic.config.spec import load_job_spec
+    from elastic.storage import require_filesystem
 
     spec = load_job_spec(job_file, overrides)
+    require_filesystem(spec.checkpoint.uri)
     print_json(spec.model_dump(mode="json"))
 
 

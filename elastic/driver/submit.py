@@ -23,7 +23,7 @@ from elastic.local import stack as local
 from elastic.logs import LEVEL_VARIABLE
 from elastic.placement import labels
 from elastic.placement.control import PlacementControl
-from elastic.storage import check_storage
+from elastic.storage import check_storage, require_filesystem
 
 SPEC_VARIABLE = "ELASTIC_JOB_SPEC"
 RUN_METADATA_KEY = "elastic_run"
@@ -211,6 +211,8 @@ def _run_jobs(jobs, run_name: str) -> list:
 
 def _check_storage_from_client(spec: JobSpec, target: Target) -> None:
     """Check the bucket from here when we hold what the cluster will use; cloud nodes use their own role."""
+    # This machine reads the run's checkpoints and summary too (elastic status, checkpoints ls).
+    require_filesystem(spec.checkpoint.uri)
     if target.local is not None:
         with target.local.environment():
             check_storage(spec.checkpoint.uri)

@@ -522,3 +522,33 @@ def test_set_reads_exponent_numbers_as_numbers():
 def test_scalar_env_vars_become_the_strings_a_process_environment_holds():
     spec = parse_job_spec(MINIMAL + "runtime_env:\n  env_vars:\n    A: 1\n    B: true\n    C: 0.5\n")
     assert spec.runtime_env.env_vars == {"A": "1", "B": "true", "C": "0.5"}
+
+
+@pytest.mark.parametrize(
+    ("uri", "package", "extra"), [("gs://b/runs", "gcsfs", "gcp"), ("az://c/runs", "adlfs", "azure")]
+)
+def test_cli_spec_check_names_the_extra_a_uri_needs(uri, package, extra, tmp_path):
+    """Without the scheme's filesystem package: one line naming the extra, exit 2; with it, the spec passes."""
+    ok = _cli(["spec", "check", str(DIGITS), "--set", f"checkpoint.uri={uri}"], tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["checkpoint"]["uri"] == uri
+    # A package set to None in sys.modules is one Python treats as not installed.
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(f"import sys\nsys.modules[{package!r}] = None\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(ELASTIC_HOME=str(tmp_path / "home"), PYTHONPATH=str(blocker))
+    missing = subprocess.run(
+        [sys.executable, "-m", "elastic", "spec", "check", str(DIGITS), "--set", f"checkpoint.uri={uri}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert missing.returncode == 2
+    scheme = uri.split(":")[0]
+    assert missing.stderr == (
+        f"error: {uri}: {scheme}:// needs the {package} package, which is not installed; "
+        f"pip install 'elastic-train[{extra}]'\n"
+    )
