@@ -29,8 +29,11 @@ from elastic.checkpoint.store import CheckpointStore
 from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import SweepSpec, _example_value, trial_job
 from elastic.driver.fitting import fit_run
+from elastic.driver.run_ledger import end_run_ledger, start_run_ledger
 from elastic.driver.submit import DEFAULT_EXCLUDES
 from elastic.errors import ClusterError, TrialOutOfMemory, UserError
+from elastic.ledger import LedgerWriter
+from elastic.ledger.events import SweepEnded, SweepStarted
 from elastic.local import stack as local
 from elastic.placement.labels import MARKET_LABEL, matches, worker_selector
 from elastic.storage import fsspec_filesystem, parse_uri, pyarrow_filesystem
@@ -164,15 +167,30 @@ def run_probe(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> pac
 
 def trial_main(config: dict, setup: dict) -> None:
     """One trial: the job with this trial's parameters, fitted under `<sweep>-<trial id>`; retried with a bigger
-    GPU share after an out-of-memory error; resumed from the run's checkpoints whenever it starts again."""
+    GPU share after an out-of-memory error; resumed from the run's checkpoints whenever it starts again. The
+    trial's run ledger (elastic.ledger) records it like a run."""
     from ray import tune
 
     trial_id = tune.get_context().get_trial_id()
     run_name = f"{setup['sweep']}-{trial_id}"
+    run_uri = parse_uri(setup["train_root"]).child(run_name).uri
+    started = time.time()
+    ledger = start_run_ledger(run_uri, run_name, JobSpec.model_validate(setup["job"]), kind_of_run="trial")
+    status, error = "FAILED", None
+    try:
+        _run_trial(config, setup, trial_id, run_name, run_uri, ledger)
+        status = "SUCCEEDED"
+    except BaseException as err:  # recorded in the trial's ledger, then raised to Tune as before
+        error = f"{type(err).__name__}: {err}"
+        raise
+    finally:
+        end_run_ledger(ledger, run_uri, started, status, error)
+
+
+def _run_trial(config: dict, setup: dict, trial_id: str, run_name: str, run_uri: str, ledger) -> None:
     base = JobSpec.model_validate(setup["job"])
     job = trial_job(base, config)
     job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"uri": setup["train_root"]})})
-    run_uri = parse_uri(setup["train_root"]).child(run_name).uri
     record_uri = parse_uri(run_uri).child(TRIAL_FILE).uri
     record = _read_json(record_uri) or {"run_name": run_name, "params": config, "attempts": [], "ooms": []}
     if record.get("finished"):
@@ -200,6 +218,7 @@ def trial_main(config: dict, setup: dict) -> None:
                 run_uri,
                 [],
                 sharing,
+                ledger=ledger,
             )
         except Exception as err:  # the run's failure; an OOM marker decides whether it is retried
             failure = err
@@ -354,8 +373,37 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
                 verbose=0,
             ),
         )
-    results = tuner.fit()
-    return report(sweep, job, results, saved, time.monotonic() - started)
+    ledger = LedgerWriter(experiment, "sweep")
+    ledger.record(
+        SweepStarted(
+            time.time(),
+            sweep=sweep.name,
+            gpus_available=market_gpus(job.workers.market),
+            share=saved["plan"]["share"],
+            num_samples=sweep.num_samples,
+        )
+    )
+    try:
+        results = tuner.fit()
+        summary = report(sweep, job, results, saved, time.monotonic() - started)
+        ledger.record(
+            SweepEnded(
+                time.time(),
+                trials=[
+                    {
+                        "trial_id": t["trial_id"],
+                        "run_name": f"{sweep.name}-{t['trial_id']}",
+                        "state": t["state"],
+                        "gpu_share": t["gpu_share"],
+                        "metric": t["metric"],
+                    }
+                    for t in summary["trials"]
+                ],
+            )
+        )
+        return summary
+    finally:
+        ledger.close()
 
 
 def report(sweep: SweepSpec, job: JobSpec, results, saved: dict, seconds: float) -> dict:

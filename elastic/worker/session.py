@@ -31,13 +31,14 @@ from elastic.checkpoint.checkpointer import SaveResult, ShardedCheckpointer
 from elastic.checkpoint.store import CheckpointStore, Retention
 from elastic.config.spec import JobSpec
 from elastic.data import ResumableLoader, ResumableSampler
+from elastic.ledger import LedgerWriter
 from elastic.storage import parse_uri
 from elastic.worker.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.worker.cadence import CheckpointCadence
 from elastic.worker.chaos import Chaos
 from elastic.worker.ending import PlacementEnding
 from elastic.worker.jit import read_ray_notice
-from elastic.worker.node import node_identity, worker_device
+from elastic.worker.node import describe_nodes, node_identity, worker_device, worker_resources
 from elastic.worker.optimizer_step import (
     NonFiniteGuard,
     OptimizerStep,
@@ -48,6 +49,7 @@ from elastic.worker.optimizer_step import (
 )
 from elastic.worker.placement_watch import placement_watch
 from elastic.worker.reporting import CommitReports
+from elastic.worker.run_ledger import AttemptLedger, NoAttemptLedger
 from elastic.worker.training_state import Stateful, TrainingState
 
 _log = logging.getLogger(__name__)
@@ -118,6 +120,8 @@ class Session:
             wait_for_save=self._wait_for_save,
         )
         self._ending.join(self.node_id, self.world_size, self._checkpoint_group)
+        self._attempt = self._start_attempt_ledger((placement or {}).get("id"))
+        self._ending.on_notice = self._attempt.notice
         self._ending.watch_notices(
             spec.checkpoint,
             in_flight=lambda: self.checkpointer.in_flight,
@@ -240,6 +244,7 @@ class Session:
     # -- restore
     def restore(self) -> int:
         """Load the latest committed checkpoint of this run, if any. Returns the step to continue from."""
+        self._attempt.restoring()
         latest = self.store.latest_committed()
         if self.is_chief:
             # Torn saves newer than the latest commit (a crash mid-upload) would otherwise be reused by the
@@ -252,11 +257,14 @@ class Session:
         self._start_ledger(latest.step if latest is not None else 0)
         self._ending.watch.running(self.world_size)
         if latest is None:
+            self._attempt.training()
             return 0
         state = self._state.template()
         self.checkpointer.load(latest.step, state)
         self._state.load_state_dict(state)
         self.restored_step = self._last_saved_step = self.step_count
+        self._attempt.restored(self.step_count, latest.world_size or 0, self.world_size)
+        self._attempt.training()
         self.log(
             f"resumed from checkpoint at step {self.step_count} ({latest.uri}, written by "
             f"{latest.world_size} workers, now {self.world_size})"
@@ -289,6 +297,7 @@ class Session:
     def step(self, metrics: dict | None = None) -> None:
         """Call once per optimizer step, on every rank. Checkpoints (asynchronously) when due."""
         self.step_count += 1
+        self._attempt.stepped(self.step_count, metrics)
         self._ledger.on_step(self.step_count, metrics)
         self._chaos.maybe_kill(self.step_count)
         if self._ending.jit.due(self.step_count):
@@ -306,6 +315,7 @@ class Session:
         self._log_failure(self.checkpointer.wait())  # at most one in flight
         self._ledger.flush(self.step_count)  # records cover every step a commit of this save includes
         self._reports.expect(self.step_count, metrics)
+        self._attempt.saving(self.step_count, asynchronous, reason)
         self.checkpointer.save(
             self.step_count,
             self._state.state_dict(),
@@ -323,9 +333,11 @@ class Session:
             self.checkpoint(metrics, asynchronous=False, reason="final")
             self._raise_if_failed(self.checkpointer.wait())
             self._report_ending(final)
+            self._attempt.ended(self.step_count, "finished")
             return
         carried = self._reports.carry(self.step_count, final)  # the last save is of this very step
         self._raise_if_failed(self.checkpointer.wait())
+        self._attempt.ended(self.step_count, "finished")
         if self._report_ending(final) or carried:
             return
         # Already reported (or resumed at the end of a finished run: nothing new to save, and Ray knows that
@@ -346,7 +358,30 @@ class Session:
         if all_ranks or self.is_chief:
             _log.info(message)
 
+    def attempt_ended(self, step: int, reason: str) -> None:
+        """The worker entry, as this placement ends at the checkpoint of `step`: the run ledger notes why."""
+        if step >= 0:
+            self._attempt.ended(step, reason)
+
+    def close(self) -> None:
+        """The worker entry, as this worker leaves (however it leaves): write what the run ledger holds."""
+        self._attempt.close()
+
     # -- internals
+    def _start_attempt_ledger(self, placement_id: str | None) -> AttemptLedger | NoAttemptLedger:
+        """Rank 0 records this worker group in the run ledger: every rank's node (a collective), what Ray
+        assigned each worker."""
+        nodes = [self.node_id]
+        if self._checkpoint_group is not None:
+            nodes = [None] * self.world_size
+            dist.all_gather_object(nodes, self.node_id, group=self._checkpoint_group)
+        if not self.is_chief:
+            return NoAttemptLedger()
+        attempt = AttemptLedger(LedgerWriter(self.store.run_uri, "worker"), placement_id)
+        cpus, gpus = worker_resources()
+        attempt.workers(self.world_size, describe_nodes(nodes), cpus, gpus)
+        return attempt
+
     def _start_ledger(self, resumed_from: int) -> None:
         """Auditing only: every rank of this attempt files its records under one id, made by rank 0."""
         if not isinstance(self._ledger, SampleLedger):
@@ -371,6 +406,7 @@ class Session:
         """After a commit, on every rank, in the save's thread: log it, queue its report to Ray (see
         elastic.worker.reporting), prune (rank 0)."""
         self._ending.jit.saved(result.total_seconds)
+        self._attempt.committed(result)
         metrics = self._reports.metrics(result.step)
         self.log(
             f"checkpoint at step {result.step} committed (stall {result.blocked_seconds * 1000:.1f} ms, "
