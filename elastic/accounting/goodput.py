@@ -85,6 +85,7 @@ class Goodput:
     steps: int  # optimizer steps the run kept (the last step reached)
     segments: list[tuple[float, float]] = field(default_factory=list)  # each job's [start, end]
     redone: list[tuple[float, float]] = field(default_factory=list)
+    pieces: list[tuple[float, float, str]] = field(default_factory=list)  # the wall time, cause by cause
 
     @property
     def goodput(self) -> float | None:
@@ -187,6 +188,7 @@ def account(events: list[Event]) -> Goodput:
     deaths = sorted(e.time for e in events if isinstance(e, NodeDied))
     noticed = {e.attempt for e in events if isinstance(e, PreemptionNotice)}
     totals = dict.fromkeys(("productive", *CAUSES), 0.0)
+    pieces: list[tuple[float, float, str]] = []
     for start, end in segments:
         points = {start, end}
         for cover in covers.values():
@@ -201,6 +203,10 @@ def account(events: list[Event]) -> Goodput:
             if cause is None:
                 cause = _between_groups(middle, inside, deaths, noticed)
             totals[cause] += b - a
+            if pieces and pieces[-1][2] == cause and pieces[-1][1] == a:
+                pieces[-1] = (pieces[-1][0], b, cause)
+            else:
+                pieces.append((a, b, cause))
     wall = sum(b - a for a, b in segments)
     return Goodput(
         wall_s=wall,
@@ -210,6 +216,7 @@ def account(events: list[Event]) -> Goodput:
         steps=max((g.last_step for g in groups), default=0),
         segments=segments,
         redone=covers["lost_work_redone"].spans,
+        pieces=pieces,
     )
 
 
