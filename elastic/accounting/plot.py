@@ -46,7 +46,7 @@ def plot_run(report: dict, path: Path) -> None:
         timeline.text(
             placement["started"] - start,
             row + 1.38,
-            f"{placement['workers']} worker(s), ended by {placement['ended_by']}",
+            f"{placement['workers']} worker(s); end: {placement['ended_by']}",
             fontsize=7,
         )
     for a, b, cause in report["timeline"]:  # row 0: what each second of wall time went to
