@@ -9,6 +9,8 @@ import threading
 import time
 import uuid
 
+import torch.distributed as dist
+
 from elastic.checkpoint.checkpointer import SaveResult
 from elastic.ledger import LedgerWriter, NoLedger
 from elastic.ledger.events import (
@@ -20,6 +22,7 @@ from elastic.ledger.events import (
     WorkersStarted,
     numeric,
 )
+from elastic.worker.node import describe_nodes, worker_resources
 
 WINDOW_SECONDS = 10.0
 
@@ -178,3 +181,21 @@ class AttemptLedger:
             )
         )
         self._window_start, self._first_step = now, None
+
+
+def attempt_ledger(
+    run_uri: str, placement_id: str | None, rank: int, world_size: int, node_id: str, group
+) -> AttemptLedger | NoAttemptLedger:
+    """Every rank, as a worker group starts: gather every rank's node (a collective on `group`); rank 0 then
+    records the group (nodes with their market and instance type, what Ray assigned each worker) and keeps
+    the group's ledger."""
+    nodes: list = [node_id]
+    if group is not None:
+        nodes = [None] * world_size
+        dist.all_gather_object(nodes, node_id, group=group)
+    if rank != 0:
+        return NoAttemptLedger()
+    attempt = AttemptLedger(LedgerWriter(run_uri, "worker"), placement_id)
+    cpus, gpus = worker_resources()
+    attempt.workers(world_size, describe_nodes(nodes), cpus, gpus)
+    return attempt

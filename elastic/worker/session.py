@@ -31,14 +31,13 @@ from elastic.checkpoint.checkpointer import SaveResult, ShardedCheckpointer
 from elastic.checkpoint.store import CheckpointStore, Retention
 from elastic.config.spec import JobSpec
 from elastic.data import ResumableLoader, ResumableSampler
-from elastic.ledger import LedgerWriter
 from elastic.storage import parse_uri
 from elastic.worker.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.worker.cadence import CheckpointCadence
 from elastic.worker.chaos import Chaos
 from elastic.worker.ending import PlacementEnding
 from elastic.worker.jit import read_ray_notice
-from elastic.worker.node import describe_nodes, node_identity, worker_device, worker_resources
+from elastic.worker.node import node_identity, worker_device
 from elastic.worker.optimizer_step import (
     NonFiniteGuard,
     OptimizerStep,
@@ -49,7 +48,7 @@ from elastic.worker.optimizer_step import (
 )
 from elastic.worker.placement_watch import placement_watch
 from elastic.worker.reporting import CommitReports
-from elastic.worker.run_ledger import AttemptLedger, NoAttemptLedger
+from elastic.worker.run_ledger import attempt_ledger
 from elastic.worker.training_state import Stateful, TrainingState
 
 _log = logging.getLogger(__name__)
@@ -120,7 +119,14 @@ class Session:
             wait_for_save=self._wait_for_save,
         )
         self._ending.join(self.node_id, self.world_size, self._checkpoint_group)
-        self._attempt = self._start_attempt_ledger((placement or {}).get("id"))
+        self._attempt = attempt_ledger(
+            self.store.run_uri,
+            (placement or {}).get("id"),
+            self.rank,
+            self.world_size,
+            self.node_id,
+            self._checkpoint_group,
+        )
         self._ending.on_notice = self._attempt.notice
         self._ending.watch_notices(
             spec.checkpoint,
@@ -368,20 +374,6 @@ class Session:
         self._attempt.close()
 
     # -- internals
-    def _start_attempt_ledger(self, placement_id: str | None) -> AttemptLedger | NoAttemptLedger:
-        """Rank 0 records this worker group in the run ledger: every rank's node (a collective), what Ray
-        assigned each worker."""
-        nodes = [self.node_id]
-        if self._checkpoint_group is not None:
-            nodes = [None] * self.world_size
-            dist.all_gather_object(nodes, self.node_id, group=self._checkpoint_group)
-        if not self.is_chief:
-            return NoAttemptLedger()
-        attempt = AttemptLedger(LedgerWriter(self.store.run_uri, "worker"), placement_id)
-        cpus, gpus = worker_resources()
-        attempt.workers(self.world_size, describe_nodes(nodes), cpus, gpus)
-        return attempt
-
     def _start_ledger(self, resumed_from: int) -> None:
         """Auditing only: every rank of this attempt files its records under one id, made by rank 0."""
         if not isinstance(self._ledger, SampleLedger):
