@@ -32,12 +32,11 @@ from elastic.driver.fitting import fit_run
 from elastic.driver.run_ledger import end_run_ledger, start_run_ledger
 from elastic.driver.submit import DEFAULT_EXCLUDES
 from elastic.errors import ClusterError, TrialOutOfMemory, UserError
-from elastic.ledger import LedgerWriter
-from elastic.ledger.events import SweepEnded, SweepStarted
 from elastic.local import stack as local
 from elastic.placement.labels import MARKET_LABEL, matches, worker_selector
 from elastic.storage import fsspec_filesystem, parse_uri, pyarrow_filesystem
 from elastic.sweep import packing
+from elastic.sweep.ledger import end_sweep_ledger, start_sweep_ledger
 from elastic.worker.sharing import OOM_FILE, PROBE_FILE, TrialSharing, read_marker
 
 log = logging.getLogger(__name__)
@@ -373,37 +372,16 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
                 verbose=0,
             ),
         )
-    ledger = LedgerWriter(experiment, "sweep")
-    ledger.record(
-        SweepStarted(
-            time.time(),
-            sweep=sweep.name,
-            gpus_available=market_gpus(job.workers.market),
-            share=saved["plan"]["share"],
-            num_samples=sweep.num_samples,
-        )
+    ledger = start_sweep_ledger(
+        experiment, sweep.name, market_gpus(job.workers.market), saved["plan"]["share"], sweep.num_samples
     )
+    summary = None
     try:
         results = tuner.fit()
         summary = report(sweep, job, results, saved, time.monotonic() - started)
-        ledger.record(
-            SweepEnded(
-                time.time(),
-                trials=[
-                    {
-                        "trial_id": t["trial_id"],
-                        "run_name": f"{sweep.name}-{t['trial_id']}",
-                        "state": t["state"],
-                        "gpu_share": t["gpu_share"],
-                        "metric": t["metric"],
-                    }
-                    for t in summary["trials"]
-                ],
-            )
-        )
         return summary
     finally:
-        ledger.close()
+        end_sweep_ledger(ledger, sweep.name, summary)
 
 
 def report(sweep: SweepSpec, job: JobSpec, results, saved: dict, seconds: float) -> dict:
