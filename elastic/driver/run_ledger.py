@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import time
 
+from ray.util.state import list_nodes
+
 from elastic.config.spec import JobSpec
 from elastic.ledger import LedgerWriter, NoLedger, read_ledger
 from elastic.ledger.events import NodeDied, RunEnded, RunStarted, WorkersStarted
@@ -44,8 +46,6 @@ def end_run_ledger(writer: LedgerWriter | NoLedger, run_uri: str, started: float
 def node_deaths(run_uri: str, since: float) -> list[NodeDied]:
     """Nodes that ran this run's workers and died after `since`, with Ray's time and message of each death.
     Best effort: without Ray's state API (no dashboard) the report has no node deaths, nothing else."""
-    from ray.util.state import list_nodes
-
     used = {
         node["node_id"]
         for event in read_ledger(run_uri)
