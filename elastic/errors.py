@@ -76,6 +76,7 @@ class PlacementEnded(BaseException):
     sees the run finish cleanly. A BaseException, like SystemExit: `except Exception` in user code must not
     swallow it."""
 
-    def __init__(self, step: int):
+    def __init__(self, step: int, reason: str = ""):
         super().__init__(f"placement ended at checkpoint step {step}")
         self.step = step
+        self.reason = reason  # why, in words (the run ledger records it)

@@ -7,7 +7,7 @@ import sys
 import click
 from rich.table import Column, Table
 
-from elastic.cli.common import console, print_json
+from elastic.cli.common import console, print_json, resolve_run_uri
 from elastic.errors import UserError
 
 
@@ -17,22 +17,9 @@ def checkpoints_group() -> None:
 
 
 def _store(run: str, root: str | None):
-    import os
-
     from elastic.checkpoint.store import CheckpointStore
-    from elastic.local import stack as local
 
-    state = local.running_state()
-    if state is not None:
-        state.use_storage()
-    if "://" in run or run.startswith("/"):
-        return CheckpointStore(run)
-    root = root or os.environ.get("ELASTIC_RUNS_URI") or (f"s3://{state.bucket}/runs" if state else None)
-    if not root:
-        raise UserError(
-            f"'{run}' is a run name but no runs root is known; pass --root s3://BUCKET/PREFIX or a full run URI"
-        )
-    return CheckpointStore(f"{root.rstrip('/')}/{run}")
+    return CheckpointStore(resolve_run_uri(run, root))
 
 
 @checkpoints_group.command("ls")

@@ -9,6 +9,9 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from elastic.accounting import plot, render
+from elastic.accounting.prices import default_prices
+from elastic.accounting.report import run_report
 from elastic.checkpoint.store import CheckpointStore, run_directory
 from elastic.cli.common import console
 from elastic.config.spec import load_job_spec
@@ -60,6 +63,14 @@ def run_demo(console: Console, spot: int, on_demand: int, stop_after: bool) -> N
         "  submit the same job again and it resumes from its last checkpoint: "
         "elastic submit jobs/digits_ddp.yaml --follow"
     )
+
+    console.rule(f"4. elastic report {submitted.run_name}: goodput, badput by cause, cost (from the run's ledger)")
+    report = run_report(run_directory(spec, submitted.run_name), default_prices())
+    png = local.home_dir() / "demo-report.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    plot.plot_run(report, png)
+    render.print_run(console, report)
+    console.print(f"  timeline: {png}")
     if stop_after:
         local.down()
         console.print("  local stack stopped")

@@ -12,7 +12,7 @@ import sys
 import click
 
 from elastic import logs
-from elastic.cli import bench, checkpoints, cluster, demo, jobs, local, preempt, spec, sweep, verify, watch
+from elastic.cli import bench, checkpoints, cluster, demo, jobs, local, preempt, report, spec, sweep, verify, watch
 from elastic.errors import ElasticError, JobFailed, UserError
 
 
@@ -48,6 +48,7 @@ for command in (
     jobs.logs_cmd,
     jobs.stop_cmd,
     checkpoints.checkpoints_group,
+    report.report_cmd,
     verify.verify_resume_cmd,
     bench.bench_group,
     sweep.sweep_cmd,

@@ -21,8 +21,11 @@ from elastic.checkpoint.store import run_directory
 from elastic.config.spec import JobSpec
 from elastic.driver.placements import PlacementExecutor
 from elastic.driver.ray_config import build_trainer
+from elastic.driver.run_ledger import end_run_ledger, start_run_ledger
 from elastic.driver.runs import RunSummary, checkpoint_uri, write_summary
 from elastic.errors import ClusterError, JobFailed
+from elastic.ledger import LedgerWriter, NoLedger
+from elastic.ledger.events import PlacementEnded, PlacementStarted
 from elastic.worker.sharing import TrialSharing
 
 logger = logging.getLogger(__name__)
@@ -52,12 +55,14 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
         run_uri,
     )
     started = time.monotonic()
+    started_at = time.time()
+    ledger = start_run_ledger(run_uri, run_name, spec)
     error: str | None = None
     metrics: dict = {}
     checkpoint: str | None = None
     placements: list[dict] = []
     try:
-        result = fit_run(spec, run_name, run_uri, placements)
+        result = fit_run(spec, run_name, run_uri, placements, ledger=ledger)
         metrics = dict(result.metrics or {})
         checkpoint = checkpoint_uri(spec, result.checkpoint)
     except Exception as err:  # the run's own failure: reported in the summary and the job status
@@ -73,16 +78,44 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
         placements=placements,
     )
     write_summary(spec, run_name, summary)
+    end_run_ledger(ledger, run_uri, started_at, summary.status, error)
     logger.info("summary %s", json.dumps(asdict(summary), default=str))
     if error:
         raise JobFailed(run_name, "FAILED", error)
     return summary
 
 
-def fit_run(spec: JobSpec, run_name: str, run_uri: str, placements: list[dict], sharing: TrialSharing | None = None):
-    """Run to the end: the driver's sequence of placements (driver.placements). A sweep trial (`sharing`) is one
-    fit() unless spot-first: Tune already schedules trials by capacity, and a trial's just-in-time checkpoint
-    then waits for Ray Train's restart."""
+def fit_run(
+    spec: JobSpec,
+    run_name: str,
+    run_uri: str,
+    placements: list[dict],
+    sharing: TrialSharing | None = None,
+    ledger: LedgerWriter | NoLedger | None = None,
+):
+    """Run to the end: the driver's sequence of placements (driver.placements), each in the run ledger. A sweep
+    trial (`sharing`) is one fit() unless spot-first: Tune already schedules trials by capacity, and a trial's
+    just-in-time checkpoint then waits for Ray Train's restart."""
+    ledger = ledger if ledger is not None else NoLedger()
     if sharing is not None and spec.workers.market != "spot-first":
-        return build_trainer(spec, run_name, sharing=sharing).fit()
-    return PlacementExecutor(spec, run_name, run_uri, placements, sharing).run()
+        workers = spec.workers
+        ledger.record(
+            PlacementStarted(
+                time.time(),
+                placement="",
+                market=workers.market,
+                workers=workers.max_workers,
+                cpus_per_worker=workers.cpus,
+                gpus_per_worker=sharing.share,
+                reason="sweep trial",
+            )
+        )
+        ended_by = "failed"
+        try:
+            result = build_trainer(spec, run_name, sharing=sharing).fit()
+            ended_by = "finished"
+            return result
+        finally:
+            ledger.record(PlacementEnded(time.time(), placement="", ended_by=ended_by))
+            ledger.flush()
+    return PlacementExecutor(spec, run_name, run_uri, placements, sharing, ledger=ledger).run()

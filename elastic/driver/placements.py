@@ -33,6 +33,8 @@ from ray.train import ControllerError
 from elastic.config.spec import JobSpec
 from elastic.driver import capacity
 from elastic.driver.ray_config import build_trainer
+from elastic.ledger import LedgerWriter, NoLedger
+from elastic.ledger.events import CapacityWaited, PlacementEnded, PlacementStarted
 from elastic.placement import loop as decisions
 from elastic.placement import policy
 from elastic.placement.control import Placement, PlacementControl, new_placement_id
@@ -46,9 +48,16 @@ class PlacementExecutor:
     """One run's placements: `run()` until one finishes the run; returns its fit() result."""
 
     def __init__(
-        self, spec: JobSpec, run_name: str, run_uri: str, placements: list[dict], sharing: TrialSharing | None = None
+        self,
+        spec: JobSpec,
+        run_name: str,
+        run_uri: str,
+        placements: list[dict],
+        sharing: TrialSharing | None = None,
+        ledger: LedgerWriter | NoLedger | None = None,
     ):
         self.spec, self.run_name, self.placements, self.sharing = spec, run_name, placements, sharing
+        self.ledger = ledger if ledger is not None else NoLedger()
         self.workers = spec.workers
         self.loop = decisions.PlacementLoop(spec)
         self.poll = float(os.environ.get(policy.POLL_SECONDS_VARIABLE) or policy.DEFAULT_POLL_SECONDS)
@@ -75,16 +84,19 @@ class PlacementExecutor:
                     # The placement went on (its just-in-time save failed) or the run finished first: the one
                     # started ahead must not train.
                     self.ahead.call_off(self.control)
+                    self._ended(self.ahead.placement, "called off")
                     self.placements.remove(self.ahead.record)
                     self.ahead = None
                 if ended is None:
                     if fitting.error is None:
+                        self._ended(current, "finished")
                         self.control.clear()
                         self._decide(decisions.RunFinished(), prefix="")
                         return fitting.result  # the run finished (or an end was asked for too late to matter)
                     retryable = controller_failed(fitting.error)
                     if retryable:
                         record["ended_by"] = "controller error"
+                    self._ended(current, "controller error" if retryable else "failed")
                     decision = self._decide(
                         decisions.ControllerFailed(type(fitting.error).__name__, _last_line(fitting.error), retryable),
                         prefix="",
@@ -96,6 +108,7 @@ class PlacementExecutor:
                 self.control.clear(keep_ended=self.ahead is not None)
                 self.ending, self.released = fitting, dict(Counter(ended.nodes))
                 record.update(ended_at_step=ended.step, ended_by=ended.kind.value)
+                self._ended(current, ended.kind.value, ended.step)
                 decision = self._decide(
                     decisions.PlacementEnded(ended.step, ended.kind, ended.nodes), prefix=f"placement {current.id}: "
                 )
@@ -106,6 +119,7 @@ class PlacementExecutor:
         finally:
             if self.ahead is not None:  # leaving on an error: the placement started ahead must not train
                 self.ahead.call_off(self.control)
+                self._ended(self.ahead.placement, "called off")
             if self.ending is not None:
                 self.ending.finish_quietly()
             if self.loop.spot_first:
@@ -126,16 +140,30 @@ class PlacementExecutor:
             return started
         while isinstance(decision, decisions.WaitForCapacity):  # spot-first: spot if it comes within the wait
             capacity.hint_spot_demand(self.workers)
+            waited = time.time()
             chosen = capacity.wait_for_spot(self.workers, poll_seconds=self.poll)
+            self._waited(waited, "spot", chosen.reason)
             decision = self.loop.step(decisions.SpotDecided(chosen.action, chosen.reason))  # wait_for_spot logged it
         assert isinstance(decision, decisions.StartsPlacement), decision
-        sized = capacity.wait_for_workers(
-            self.workers,
-            decision.market,
-            released=self.released,
-            on_wait=lambda d: self.control.set_status("waiting", d.reason),
-        )
+        waited, reasons = time.time(), []
+
+        def on_wait(d) -> None:
+            reasons.append(d.reason)
+            self.control.set_status("waiting", d.reason)
+
+        sized = capacity.wait_for_workers(self.workers, decision.market, released=self.released, on_wait=on_wait)
+        if reasons:
+            self._waited(waited, decision.market, reasons[-1])
         return self._start(decision, sized)
+
+    def _waited(self, started: float, market: str, reason: str) -> None:
+        """The run ledger: the driver waited for capacity from `started` until now (under 0.5 s: no wait)."""
+        if time.time() - started >= 0.5:
+            self.ledger.record(CapacityWaited(started, ended=time.time(), market=market, reason=reason))
+
+    def _ended(self, placement: Placement, ended_by: str, step: int | None = None) -> None:
+        # Written by the ledger's thread within seconds: a reclaim's critical path never waits on storage.
+        self.ledger.record(PlacementEnded(time.time(), placement=placement.id, ended_by=ended_by, step=step))
 
     def _watch(self, started: _Started) -> Acknowledgement | None:
         """Until the placement's sessions acknowledge its end or its fit() returns. Meanwhile, once a second,
@@ -194,6 +222,18 @@ class PlacementExecutor:
             "started": time.time(),
         }
         self.placements.append(record)
+        self.ledger.record(
+            PlacementStarted(
+                record["started"],
+                placement=placement.id,
+                market=placement.market,
+                workers=placement.workers,
+                cpus_per_worker=workers.cpus,
+                gpus_per_worker=self.sharing.share if self.sharing is not None else workers.gpus,
+                reason=placement.reason,
+                follows=follows,
+            )
+        )
         logger.info(
             "placement %s: %s worker(s) on %s nodes%s",
             placement.id,

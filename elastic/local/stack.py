@@ -25,7 +25,15 @@ from pathlib import Path
 from elastic.errors import ClusterError
 from elastic.local import processes
 from elastic.local.processes import Launched
-from elastic.placement.labels import HEAD_ROLE, MARKET_LABEL, MARKETS, NODE_NAME_LABEL, ROLE_LABEL, WORKER_ROLE
+from elastic.placement.labels import (
+    HEAD_ROLE,
+    INSTANCE_TYPE_LABEL,
+    MARKET_LABEL,
+    MARKETS,
+    NODE_NAME_LABEL,
+    ROLE_LABEL,
+    WORKER_ROLE,
+)
 
 DEFAULT_BUCKET = "elastic"
 # Ray's default object store takes 30% of RAM per node; several nodes on one machine would ask for more
@@ -33,6 +41,10 @@ DEFAULT_BUCKET = "elastic"
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
 # Dummy credentials for the local moto endpoint (it accepts any); real clusters use the AWS chain.
 LOCAL_AWS_KEY = "elastic-local"
+# Simulated nodes are labelled with the AWS config's instance types (cluster-configs/aws-spot-gpu.yaml), so
+# `elastic report` prices a local run as it would that run on those nodes (the built-in price table).
+LOCAL_WORKER_INSTANCE_TYPE = "g5.xlarge"
+LOCAL_HEAD_INSTANCE_TYPE = "m6i.2xlarge"
 AUTH_MODE = "disabled"  # one auth mode for the local stack, its drivers and every CLI call (a mix fails auth)
 
 
@@ -51,16 +63,22 @@ class NodePlan:
     role: str
     cpus: int
     gpus: int
+    instance_type: str = LOCAL_WORKER_INSTANCE_TYPE
 
     def labels(self) -> dict[str, str]:
-        return {MARKET_LABEL: self.market, ROLE_LABEL: self.role, NODE_NAME_LABEL: self.name}
+        return {
+            MARKET_LABEL: self.market,
+            ROLE_LABEL: self.role,
+            NODE_NAME_LABEL: self.name,
+            INSTANCE_TYPE_LABEL: self.instance_type,
+        }
 
 
 def plan_nodes(spot: int, on_demand: int, cpus_per_node: int, gpus_per_node: int) -> list[NodePlan]:
     """Head (on-demand, no CPUs for training: it hosts drivers only), then on-demand and spot workers."""
     if spot < 0 or on_demand < 0 or spot + on_demand == 0:
         raise ClusterError("a local cluster needs at least one worker node; use --spot N and/or --on-demand M")
-    nodes = [NodePlan("head", "on-demand", HEAD_ROLE, 0, 0)]
+    nodes = [NodePlan("head", "on-demand", HEAD_ROLE, 0, 0, LOCAL_HEAD_INSTANCE_TYPE)]
     nodes += [
         NodePlan(f"on-demand-{i}", "on-demand", WORKER_ROLE, cpus_per_node, gpus_per_node) for i in range(on_demand)
     ]

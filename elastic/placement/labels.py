@@ -9,6 +9,8 @@ from __future__ import annotations
 MARKET_LABEL = "market"  # "spot" or "on-demand"
 ROLE_LABEL = "elastic-role"  # "head" (drivers, controllers) or "worker" (training workers)
 NODE_NAME_LABEL = "elastic-node"  # stable name of a local node, e.g. "spot-0"
+# The cloud's instance type (g5.xlarge, g2-standard-8...): the run ledger records it and reports price by it.
+INSTANCE_TYPE_LABEL = "elastic-instance-type"
 
 HEAD_ROLE = "head"
 WORKER_ROLE = "worker"

@@ -29,12 +29,14 @@ from elastic.checkpoint.store import CheckpointStore, run_directory
 from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import SweepSpec, _example_value, trial_job
 from elastic.driver.fitting import fit_run
+from elastic.driver.run_ledger import end_run_ledger, start_run_ledger
 from elastic.driver.submit import DEFAULT_EXCLUDES
 from elastic.errors import ClusterError, TrialOutOfMemory, UserError
 from elastic.local import stack as local
 from elastic.placement.labels import MARKET_LABEL, matches, worker_selector
 from elastic.storage import fsspec_filesystem, parse_uri, pyarrow_filesystem
 from elastic.sweep import packing
+from elastic.sweep.ledger import end_sweep_ledger, start_sweep_ledger
 from elastic.worker.sharing import OOM_FILE, PROBE_FILE, TrialSharing, read_marker
 
 log = logging.getLogger(__name__)
@@ -164,15 +166,34 @@ def run_probe(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> pac
 
 def trial_main(config: dict, setup: dict) -> None:
     """One trial: the job with this trial's parameters, fitted under `<sweep>-<trial id>`; retried with a bigger
-    GPU share after an out-of-memory error; resumed from the run's checkpoints whenever it starts again."""
+    GPU share after an out-of-memory error; resumed from the run's checkpoints whenever it starts again. The
+    trial's run ledger (elastic.ledger) records it like a run."""
     from ray import tune
 
     trial_id = tune.get_context().get_trial_id()
     run_name = f"{setup['sweep']}-{trial_id}"
-    base = JobSpec.model_validate(setup["job"])
-    job = trial_job(base, config)
-    job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"uri": setup["train_root"]})})
-    run_uri = run_directory(job, run_name)
+    run_uri = run_directory(_trial_spec(config, setup), run_name)
+    started = time.time()
+    ledger = start_run_ledger(run_uri, run_name, JobSpec.model_validate(setup["job"]), kind_of_run="trial")
+    status, error = "FAILED", None
+    try:
+        _run_trial(config, setup, trial_id, run_name, run_uri, ledger)
+        status = "SUCCEEDED"
+    except BaseException as err:  # recorded in the trial's ledger, then raised to Tune as before
+        error = f"{type(err).__name__}: {err}"
+        raise
+    finally:
+        end_run_ledger(ledger, run_uri, started, status, error)
+
+
+def _trial_spec(config: dict, setup: dict) -> JobSpec:
+    """The sweep's job with this trial's parameters, its runs under the sweep's train root."""
+    job = trial_job(JobSpec.model_validate(setup["job"]), config)
+    return job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"uri": setup["train_root"]})})
+
+
+def _run_trial(config: dict, setup: dict, trial_id: str, run_name: str, run_uri: str, ledger) -> None:
+    job = _trial_spec(config, setup)
     record_uri = parse_uri(run_uri).child(TRIAL_FILE).uri
     record = _read_json(record_uri) or {"run_name": run_name, "params": config, "attempts": [], "ooms": []}
     if record.get("finished"):
@@ -200,6 +221,7 @@ def trial_main(config: dict, setup: dict) -> None:
                 run_uri,
                 [],
                 sharing,
+                ledger=ledger,
             )
         except Exception as err:  # the run's failure; an OOM marker decides whether it is retried
             failure = err
@@ -354,8 +376,16 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
                 verbose=0,
             ),
         )
-    results = tuner.fit()
-    return report(sweep, job, results, saved, time.monotonic() - started)
+    ledger = start_sweep_ledger(
+        experiment, sweep.name, market_gpus(job.workers.market), saved["plan"]["share"], sweep.num_samples
+    )
+    summary = None
+    try:
+        results = tuner.fit()
+        summary = report(sweep, job, results, saved, time.monotonic() - started)
+        return summary
+    finally:
+        end_sweep_ledger(ledger, sweep.name, summary)
 
 
 def report(sweep: SweepSpec, job: JobSpec, results, saved: dict, seconds: float) -> dict:

@@ -32,6 +32,8 @@ class PlacementEnding:
         self._rank = rank
         self._wait_for_save = wait_for_save
         self.jit: JustInTime | NoJustInTime = NoJustInTime()
+        # Rank 0, at a reclaim notice: (node ids, the cloud's deadline) for the run ledger.
+        self.on_notice: Callable[[tuple[str, ...], float | None], None] = lambda nodes, deadline: None
 
     def join(self, node_id: str, world_size: int, group) -> None:
         """Before any step: name every rank's node, and wait for the placement this one follows, if any."""
@@ -73,7 +75,7 @@ class PlacementEnding:
         self._reports.report_ending(result.step, {"step": result.step})  # Ray knows it before the end
         reason = self.watch.acknowledge(result.step)
         self._say(f"placement ends at the checkpoint of step {result.step} ({reason})")
-        raise PlacementEnded(result.step)
+        raise PlacementEnded(result.step, reason)
 
     def just_in_time(self, save_now: Callable[[], SaveResult | None], metrics: dict | None) -> None:
         """A node of this run is being reclaimed and the deadline is near: save now (every rank), wait for the
@@ -98,11 +100,12 @@ class PlacementEnding:
             while True:
                 time.sleep(1.0)
         self.watch.acknowledge(result.step, reason="preemption")
-        raise PlacementEnded(result.step)
+        raise PlacementEnded(result.step, "preemption")
 
     def _announce(self, notice, eta: float | None) -> None:
         """Rank 0, at a reclaim notice: tell the driver when this placement should end (in the background: a
         write to the run folder must not hold up a step). Without a deadline it ends at once anyway."""
+        self.on_notice(notice.node_ids, notice.deadline)
         if eta is not None and self.watch.can_end:
             threading.Thread(target=self.watch.will_end, args=(eta,), name="elastic-ending", daemon=True).start()
 

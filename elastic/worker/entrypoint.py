@@ -51,10 +51,13 @@ def worker_main(payload: dict, setup: WorkerSetup | None = None) -> None:
             function(session)
         else:
             setup.run(session, function)
-    except PlacementEnded:
+    except PlacementEnded as ended:
         # The driver asked this placement to end (spot-first moving to spot) and it did, at a committed
         # checkpoint. Returning normally lets Ray Train finish the run cleanly: no failure budget is spent.
+        session.attempt_ended(ended.step, ended.reason or "placement ended")
         return
+    finally:
+        session.close()
 
 
 def _configure_logging() -> None:

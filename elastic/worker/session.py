@@ -47,6 +47,7 @@ from elastic.worker.optimizer_step import (
 )
 from elastic.worker.placement_watch import placement_watch
 from elastic.worker.reporting import CommitReports
+from elastic.worker.run_ledger import attempt_ledger
 from elastic.worker.training_state import Stateful, TrainingState
 
 _log = logging.getLogger(__name__)
@@ -117,6 +118,15 @@ class Session:
             wait_for_save=self._wait_for_save,
         )
         self._ending.join(self.node_id, self.world_size, self._checkpoint_group)
+        self._attempt = attempt_ledger(
+            self.store.run_uri,
+            (placement or {}).get("id"),
+            self.rank,
+            self.world_size,
+            self.node_id,
+            self._checkpoint_group,
+        )
+        self._ending.on_notice = self._attempt.notice
         self._ending.watch_notices(
             spec.checkpoint,
             in_flight=lambda: self.checkpointer.in_flight,
@@ -240,12 +250,14 @@ class Session:
     def restore(self) -> int:
         """Load the latest committed checkpoint of this run, if any; when it cannot be read, the one before it
         (a log line says so). Returns the step to continue from."""
+        self._attempt.restoring()
         committed = self._committed_steps()
         if self._checkpoint_group is not None:
             dist.barrier(group=self._checkpoint_group)
         self._ending.watch.running(self.world_size)
         if not committed:
             self._start_ledger(0)
+            self._attempt.training()
             return 0
         step, state = self.checkpointer.load_newest(committed, self._state.template)
         self._state.load_state_dict(state)
@@ -254,6 +266,8 @@ class Session:
         self._start_ledger(step)
         self.restored_step = self._last_saved_step = self.step_count
         info = self.store.info(step)
+        self._attempt.restored(self.step_count, info.world_size or 0, self.world_size)
+        self._attempt.training()
         self.log(
             f"resumed from checkpoint at step {self.step_count} ({info.uri}, written by "
             f"{info.world_size} workers, now {self.world_size})"
@@ -305,6 +319,7 @@ class Session:
     def step(self, metrics: dict | None = None) -> None:
         """Call once per optimizer step, on every rank. Checkpoints (asynchronously) when due."""
         self.step_count += 1
+        self._attempt.stepped(self.step_count, metrics)
         self._ledger.on_step(self.step_count, metrics)
         self._chaos.maybe_kill(self.step_count)
         if self._ending.jit.due(self.step_count):
@@ -322,6 +337,7 @@ class Session:
         self._log_failure(self.checkpointer.wait())  # at most one in flight
         self._ledger.flush(self.step_count)  # records cover every step a commit of this save includes
         self._reports.expect(self.step_count, metrics)
+        self._attempt.saving(self.step_count, asynchronous, reason)
         self.checkpointer.save(
             self.step_count,
             self._state.state_dict(),
@@ -339,9 +355,11 @@ class Session:
             self.checkpoint(metrics, asynchronous=False, reason="final")
             self._raise_if_failed(self.checkpointer.wait())
             self._report_ending(final)
+            self._attempt.ended(self.step_count, "finished")
             return
         carried = self._reports.carry(self.step_count, final)  # the last save is of this very step
         self._raise_if_failed(self.checkpointer.wait())
+        self._attempt.ended(self.step_count, "finished")
         if self._report_ending(final) or carried:
             return
         # Already reported (or resumed at the end of a finished run: nothing new to save, and Ray knows that
@@ -361,6 +379,15 @@ class Session:
         on rank 0 only, unless `all_ranks`."""
         if all_ranks or self.is_chief:
             _log.info(message)
+
+    def attempt_ended(self, step: int, reason: str) -> None:
+        """The worker entry, as this placement ends at the checkpoint of `step`: the run ledger notes why."""
+        if step >= 0:
+            self._attempt.ended(step, reason)
+
+    def close(self) -> None:
+        """The worker entry, as this worker leaves (however it leaves): write what the run ledger holds."""
+        self._attempt.close()
 
     # -- internals
     def _start_ledger(self, resumed_from: int) -> None:
@@ -387,6 +414,7 @@ class Session:
         """After a commit, on every rank, in the save's thread: log it, queue its report to Ray (see
         elastic.worker.reporting), prune (rank 0)."""
         self._ending.jit.saved(result.total_seconds)
+        self._attempt.committed(result)
         metrics = self._reports.metrics(result.step)
         self.log(
             f"checkpoint at step {result.step} committed (stall {result.blocked_seconds * 1000:.1f} ms, "

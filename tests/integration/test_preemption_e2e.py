@@ -125,7 +125,7 @@ def baseline(stack) -> dict:
     return final_tensors(stack, "digits-ddp-base")
 
 
-def test_noticed_reclaim_resumes_from_the_just_in_time_checkpoint_with_nothing_lost(stack, baseline):
+def test_noticed_reclaim_resumes_from_the_just_in_time_checkpoint_with_nothing_lost(stack, baseline, tmp_path):
     cli = stack["cli"]
     run = Submission(cli, "--suffix", "notice", "--set", f"config.epochs={EPOCHS}")
     run.wait_for("epoch 2 step")
@@ -146,6 +146,34 @@ def test_noticed_reclaim_resumes_from_the_just_in_time_checkpoint_with_nothing_l
         (2, None, None),
     ]
     assert_same_weights(final_tensors(stack, "digits-ddp-notice"), baseline)
+    assert_report_accounts_for_the_reclaim(cli, "digits-ddp-notice", jit[0], placements, reclaim, tmp_path)
+
+
+def assert_report_accounts_for_the_reclaim(cli, run: str, jit: int, placements: list, reclaim: dict, tmp_path):
+    """`elastic report` from the run's ledger alone: one preemption, nothing lost, every second of wall time
+    given to one cause, the placements of the run summary, priced by the local nodes' instance type."""
+    png = tmp_path / "timeline.png"
+    proc = cli.run("report", run, "--json", "--png", str(png), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["preemptions"] == 1 and report["lost_steps"] == 0, report["preemption_details"]
+    assert 0 < report["goodput"] <= 1
+    assert abs(report["productive_s"] + sum(report["badput"].values()) - report["wall_s"]) <= 0.01 * report["wall_s"]
+    assert [(p["workers"], p["ended_by"], p["ended_at_step"]) for p in report["placements"]] == [
+        (p["workers"], p.get("ended_by") or "finished", p.get("ended_at_step")) for p in placements
+    ]
+    (details,) = report["preemption_details"]
+    assert details["nodes"] == [reclaim["node_id"]]
+    assert (details["just_in_time_step"], details["resumed_from_step"], details["steps_lost"]) == (jit, jit, 0)
+    if reclaim["killed_at"] < report["started"] + report["wall_s"]:  # the node died while the run went on
+        assert details["node_died"] is not None and details["node_died"] >= details["notice"]
+    assert report["badput"]["checkpoint_stall"] > 0 and report["badput"]["preemption_gap"] > 0
+    assert {p for placement in report["placements"] for p in placement["instance_types"]} == {"g5.xlarge"}
+    assert report["node_hours"]["spot"] > 0 and report["node_hours"]["on-demand"] == 0
+    assert set(report["gpu_hours"]) == {"spot", "on-demand"}  # digits_ddp asks for no GPU: both 0
+    assert 0 < report["cost"]["actual"] < report["cost"]["all_on_demand"]
+    assert report["unpriced_node_hours"] == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_two_spot_nodes_reclaimed_at_once_shrink_the_run_and_every_sample_is_seen_once(stack):

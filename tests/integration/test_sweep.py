@@ -155,6 +155,23 @@ gpu_share: 0.25
     gpus = read(fs, f"elastic/runs/{name}/train/{name}-{trials[2]['trial_id']}/gpus.json")
     assert len(gpus) == 2 and len({(g["node"], tuple(g["gpus"])) for g in gpus}) == 2, gpus
 
+    # The sweep's report, from its ledger and its trials' ledgers.
+    proc = stack["cli"].run("report", name, "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["trials_by_state"] == {"TERMINATED": 2} and report["gpu_share"] == [0.5]
+    assert 0 < report["allocation"] <= 1 and report["trials_per_gpu_hour"] > 0
+    assert report["gpu_hours"]["on-demand"] == 0 and report["gpu_hours"]["spot"] > 0  # digits_ddp's spot workers
+    # Each trial's ledger: two placements (shares 0.25, then 0.5 after the OOM), and the steps the OOM lost.
+    for trial in trials.values():
+        run = f"{name}-{trial['trial_id']}"
+        proc = stack["cli"].run("report", run, "--root", f"s3://elastic/runs/{name}/train", "--json", timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ledger = json.loads(proc.stdout)
+        assert [p["gpus_per_worker"] for p in ledger["placements"]] == [0.25, 0.5], ledger["placements"]
+        assert ledger["kind"] == "trial" and ledger["status"] == "SUCCEEDED" and 0 < ledger["goodput"] <= 1
+        assert ledger["lost_steps"] == 12 - trial["resumed_from"][1], (ledger["lost_steps"], trial)
+
 
 def test_asha_stops_bad_trials_and_a_killed_sweep_resumes(stack, tmp_path):
     name = f"asha-{uuid.uuid4().hex[:6]}"

@@ -28,6 +28,19 @@ def spec(**failure) -> JobSpec:
     )
 
 
+class MemoryLedger:
+    """The run ledger's writer, kept in memory."""
+
+    def __init__(self):
+        self.events: list = []
+
+    def record(self, event) -> None:
+        self.events.append(event)
+
+    def flush(self) -> None:
+        pass
+
+
 class ScriptedTrainer:
     def __init__(self, fit):
         self._fit = fit
@@ -90,8 +103,18 @@ def test_a_noticed_reclaim_starts_the_next_placement_ahead_and_it_takes_over_at_
 
     monkeypatch.setattr(placements, "build_trainer", build_trainer)
     records: list[dict] = []
-    result = placements.PlacementExecutor(spec(), "run", str(tmp_path), records).run()
+    ledger = MemoryLedger()
+    result = placements.PlacementExecutor(spec(), "run", str(tmp_path), records, ledger=ledger).run()
     assert result == "done" and len(built) == 2
+    # The run ledger: both placements, the second started ahead (before the first ended), and how each ended.
+    assert [(type(e).__name__, e.placement) for e in ledger.events] == [
+        ("PlacementStarted", built[0].id),
+        ("PlacementStarted", built[1].id),
+        ("PlacementEnded", built[0].id),
+        ("PlacementEnded", built[1].id),
+    ]
+    assert ledger.events[1].follows == built[0].id and ledger.events[1].cpus_per_worker == 1
+    assert [(e.ended_by, e.step) for e in ledger.events[2:]] == [("preemption", 40), ("finished", None)]
     assert [(r["reason"], r.get("ended_at_step"), r.get("ended_by")) for r in records] == [
         ("workers.market is spot", 40, "preemption"),
         ("resumed after a reclaim at step 40", None, None),

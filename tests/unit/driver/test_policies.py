@@ -281,8 +281,13 @@ def test_plan_nodes_head_first_then_on_demand_then_spot():
     nodes = plan_nodes(spot=2, on_demand=1, cpus_per_node=4, gpus_per_node=1)
     assert [n.name for n in nodes] == ["head", "on-demand-0", "spot-0", "spot-1"]
     head = nodes[0]
-    assert head == NodePlan("head", "on-demand", "head", 0, 0)
-    assert head.labels() == {"market": "on-demand", "elastic-role": "head", "elastic-node": "head"}
+    assert head == NodePlan("head", "on-demand", "head", 0, 0, "m6i.2xlarge")
+    assert head.labels() == {
+        "market": "on-demand",
+        "elastic-role": "head",
+        "elastic-node": "head",
+        "elastic-instance-type": "m6i.2xlarge",  # what `elastic report` prices a local node by
+    }
     for node in nodes[1:]:
         assert node.role == "worker" and node.cpus == 4 and node.gpus == 1
         assert node.labels()[MARKET_LABEL] == node.market

@@ -12,6 +12,7 @@ from elastic.worker.audit import NoLedger
 from elastic.worker.chaos import Chaos
 from elastic.worker.jit import NoJustInTime
 from elastic.worker.reporting import CommitReports
+from elastic.worker.run_ledger import NoAttemptLedger
 from elastic.worker.session import Session
 from elastic.worker.training_state import TrainingState
 
@@ -31,6 +32,7 @@ def _bare_session() -> Session:
     session._state = TrainingState(0, 1)
     session._step_hooks = []
     session._ledger = NoLedger()
+    session._attempt = NoAttemptLedger()
     session._chaos = Chaos(store=None, rank=0, plan=[])
     session._ending = _NoEnding()
     session._cadence = _NeverDue()

@@ -21,6 +21,12 @@ def fake_worker(monkeypatch):
         def __init__(self, spec, run_name, placement=None):
             calls.append(("session", run_name))
 
+        def attempt_ended(self, step, reason):
+            calls.append(("ended", step, reason))
+
+        def close(self):
+            calls.append(("closed",))
+
     def job(session):
         calls.append(("job",))
 
@@ -34,7 +40,7 @@ def fake_worker(monkeypatch):
 
 def test_plain_job_and_setup_share_one_entry(fake_worker):
     entrypoint.worker_main({"spec": {}, "run_name": "plain"})
-    assert fake_worker == [("session", "plain"), ("job",)]
+    assert fake_worker == [("session", "plain"), ("job",), ("closed",)]
 
     class Setup:
         def before_session(self, spec):
@@ -47,7 +53,14 @@ def test_plain_job_and_setup_share_one_entry(fake_worker):
 
     fake_worker.clear()
     entrypoint.worker_main({"spec": {}, "run_name": "trial"}, Setup())
-    assert fake_worker == [("before",), ("session", "trial"), ("setup",), ("job",)]
+    assert fake_worker == [
+        ("before",),
+        ("session", "trial"),
+        ("setup",),
+        ("job",),
+        ("ended", 5, "placement ended"),
+        ("closed",),
+    ]
 
 
 @pytest.fixture
