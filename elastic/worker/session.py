@@ -31,6 +31,8 @@ from elastic.checkpoint.checkpointer import SaveResult, ShardedCheckpointer
 from elastic.checkpoint.store import CheckpointStore, Retention
 from elastic.config.spec import JobSpec
 from elastic.data import ResumableLoader, ResumableSampler
+from elastic.observability.gpu import gpu_sampler
+from elastic.observability.metrics import run_metrics
 from elastic.storage import parse_uri
 from elastic.worker.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.worker.cadence import CheckpointCadence
@@ -48,6 +50,7 @@ from elastic.worker.optimizer_step import (
 )
 from elastic.worker.placement_watch import placement_watch
 from elastic.worker.reporting import CommitReports
+from elastic.worker.telemetry import Telemetry
 from elastic.worker.training_state import Stateful, TrainingState
 
 _log = logging.getLogger(__name__)
@@ -98,7 +101,18 @@ class Session:
             on_failure=self._on_failed_save,
         )
         self._state = TrainingState(self.rank, self.world_size)
-        self._step_hooks: list[StepHook] = []
+        # Run metrics out through Ray's Prometheus export; goodput's clock rides in the checkpoint.
+        self._telemetry = Telemetry(
+            run_metrics(run_name),
+            self.rank,
+            spec.checkpoint,
+            self.store,
+            self._samples_per_step,
+            gpu_sampler(self.device),
+        )
+        self._state.tracked["elastic.goodput"] = self._telemetry.goodput
+        self._step_hooks: list[StepHook] = [self._telemetry.on_step]
+        self._telemetry.start()
         self._retention = Retention(self.store, spec.checkpoint.keep, spec.checkpoint.keep_every)
         self._cadence = CheckpointCadence(spec.checkpoint)
         self._chaos = Chaos(self.store, self.rank)
@@ -252,11 +266,13 @@ class Session:
         self._start_ledger(latest.step if latest is not None else 0)
         self._ending.watch.running(self.world_size)
         if latest is None:
+            self._telemetry.resumed(0)
             return 0
         state = self._state.template()
         self.checkpointer.load(latest.step, state)
         self._state.load_state_dict(state)
         self.restored_step = self._last_saved_step = self.step_count
+        self._telemetry.resumed(self.step_count)
         self.log(
             f"resumed from checkpoint at step {self.step_count} ({latest.uri}, written by "
             f"{latest.world_size} workers, now {self.world_size})"
@@ -356,6 +372,13 @@ class Session:
             dist.broadcast_object_list(attempt, src=0, group=self._checkpoint_group)
         self._ledger.attempt, self._ledger.resumed_from = attempt[0], resumed_from
 
+    def _samples_per_step(self) -> int | None:
+        """Samples in one optimizer step over all ranks, from the session's loader (None without one)."""
+        sampler = getattr(self._state.tracked.get("data"), "sampler", None)
+        if sampler is None:
+            return None
+        return sampler.batch_size * self.world_size * self.spec.train.grad_accumulation
+
     def _wait_for_save(self) -> SaveResult | None:
         result = self.checkpointer.wait()
         self._log_failure(result)
@@ -371,6 +394,7 @@ class Session:
         """After a commit, on every rank, in the save's thread: log it, queue its report to Ray (see
         elastic.worker.reporting), prune (rank 0)."""
         self._ending.jit.saved(result.total_seconds)
+        self._telemetry.on_commit(result)
         metrics = self._reports.metrics(result.step)
         self.log(
             f"checkpoint at step {result.step} committed (stall {result.blocked_seconds * 1000:.1f} ms, "
