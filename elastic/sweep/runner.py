@@ -32,6 +32,7 @@ from elastic.driver.fitting import fit_run
 from elastic.driver.submit import DEFAULT_EXCLUDES
 from elastic.errors import ClusterError, TrialOutOfMemory, UserError
 from elastic.local import stack as local
+from elastic.observability.tracking import MlflowRuns, sweep_parent_run
 from elastic.placement.labels import MARKET_LABEL, matches, worker_selector
 from elastic.storage import fsspec_filesystem, parse_uri, pyarrow_filesystem
 from elastic.sweep import packing
@@ -310,6 +311,13 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
     if resume and not restorable:
         raise UserError(f"--resume: no sweep {sweep.name} to restore at {experiment}; run it without --resume")
     saved = prepare_plan(sweep, job, say)
+    parent = sweep_parent_run(job.tracking, sweep.name)
+    if parent is not None:  # one MLflow run per trial, nested under the sweep's run
+        tracking = job.tracking.model_copy(
+            update={"parent_run_id": parent, "experiment": job.tracking.experiment or sweep.name}
+        )
+        job = job.model_copy(update={"tracking": tracking})
+        say(f"tracking: trials log to MLflow under the sweep's run {parent}")
     setup = {
         "sweep": sweep.name,
         "job": job.model_dump(mode="json"),
@@ -355,6 +363,8 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
             ),
         )
     results = tuner.fit()
+    if parent is not None:
+        MlflowRuns(job.tracking.mlflow).finish(parent)
     return report(sweep, job, results, saved, time.monotonic() - started)
 
 

@@ -51,6 +51,7 @@ from elastic.worker.optimizer_step import (
 from elastic.worker.placement_watch import placement_watch
 from elastic.worker.reporting import CommitReports
 from elastic.worker.telemetry import Telemetry
+from elastic.worker.tracking import SessionTracking
 from elastic.worker.training_state import Stateful, TrainingState
 
 _log = logging.getLogger(__name__)
@@ -111,7 +112,10 @@ class Session:
             gpu_sampler(self.device),
         )
         self._state.tracked["elastic.goodput"] = self._telemetry.goodput
-        self._step_hooks: list[StepHook] = [self._telemetry.on_step]
+        # The spec's `tracking:` (MLflow, TensorBoard); the MLflow run id rides in the checkpoint.
+        self._tracking = SessionTracking(spec, run_name, self.rank)
+        self._state.tracked["elastic.tracking"] = self._tracking.state
+        self._step_hooks: list[StepHook] = [self._telemetry.on_step, self._tracking.on_step]
         self._telemetry.start()
         self._retention = Retention(self.store, spec.checkpoint.keep, spec.checkpoint.keep_every)
         self._cadence = CheckpointCadence(spec.checkpoint)
@@ -335,6 +339,7 @@ class Session:
     def finish(self, metrics: dict | None = None) -> None:
         """Final checkpoint, waited for and reported with `metrics`: call at the end of training on every rank."""
         final = {"step": self.step_count, **(metrics or {})}
+        self._tracking.finish(self.step_count, final)
         if self._last_saved_step != self.step_count:
             self.checkpoint(metrics, asynchronous=False, reason="final")
             self._raise_if_failed(self.checkpointer.wait())
