@@ -26,7 +26,7 @@ from elastic.observability.utilization import LowUtilizationWatch
 _log = logging.getLogger(__name__)
 
 PROGRESS_FILE = "elastic-progress.json"
-PROGRESS_SECONDS = 5.0
+PROGRESS_SECONDS = 1.0  # one small PUT a second from rank 0 while steps advance
 GPU_SAMPLE_SECONDS = 5.0
 
 
