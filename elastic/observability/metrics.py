@@ -39,7 +39,7 @@ class NoMetrics:
 
     enabled = False
 
-    def step(self, step: int, seconds: float | None, samples_per_second: float | None) -> None: ...
+    def steps(self, count: int, step: int, seconds: list[float], samples_per_second: float | None) -> None: ...
 
     def goodput(self, value: float) -> None: ...
 
@@ -104,11 +104,13 @@ class RunMetrics(NoMetrics):
         self._gpu_memory: Gauge | None = None
         self._markets: set[str] = set()
 
-    def step(self, step: int, seconds: float | None, samples_per_second: float | None) -> None:
-        self._steps.inc(1.0, self._tags)
+    def steps(self, count: int, step: int, seconds: list[float], samples_per_second: float | None) -> None:
+        """`count` steps taken since the last call, the current step, their step times."""
+        if count > 0:
+            self._steps.inc(float(count), self._tags)
         self._step.set(step, self._tags)
-        if seconds is not None:
-            self._step_seconds.observe(seconds, self._tags)
+        for value in seconds:
+            self._step_seconds.observe(value, self._tags)
         if samples_per_second is not None:
             self._samples.set(samples_per_second, self._tags)
 

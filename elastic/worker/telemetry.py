@@ -2,6 +2,9 @@
 session's step hook and commit callback, every rank's GPU utilization and memory (NVML, GPU nodes only), the
 low-utilization log line, and the steps a restart lost.
 
+The step hook only does arithmetic; a background thread hands the steps to Ray's metrics once a second
+(recording a metric costs tens of microseconds: off the training loop's thread).
+
 Lost steps: rank 0 keeps a progress mark in the run folder (`elastic-progress.json`, the step reached, written
 by a background thread at most every PROGRESS_SECONDS), and the next session that restores the run counts the
 steps between the checkpoint it resumed from and that mark. A mark can be up to PROGRESS_SECONDS behind the
@@ -13,6 +16,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from elastic.checkpoint.checkpointer import SaveResult
@@ -57,6 +61,10 @@ class Telemetry:
         self._low = low_utilization or LowUtilizationWatch()
         self._wall_clock, self._clock = wall_clock, clock
         self._last_step_at: float | None = None
+        self._step_seconds: deque[float] = deque()  # measured by the loop, published by the thread
+        self._steps_taken = 0
+        self._published_steps = 0
+        self._samples_per_second: float | None = None
         self._mean_step_seconds: float | None = None
         self.step = 0
         self._marked = 0
@@ -69,12 +77,24 @@ class Telemetry:
 
     def start(self) -> None:
         """The background thread: rank 0's progress mark, and GPU samples where there is a GPU."""
-        if (self.chief and self._store is not None and self.metrics.enabled) or self._gpu is not None:
+        if (self.chief and self.metrics.enabled) or self._gpu is not None:
             self._thread = threading.Thread(target=self._background, name="elastic-telemetry", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+
+    def publish(self) -> None:
+        """Rank 0: the steps since the last call and goodput so far, to Ray's metrics (the thread's work)."""
+        seconds = [self._step_seconds.popleft() for _ in range(len(self._step_seconds))]
+        taken = self._steps_taken
+        count, self._published_steps = taken - self._published_steps, taken
+        if count == 0:
+            return
+        self.metrics.steps(count, self.step, seconds, self._samples_per_second)
+        goodput = self.goodput.goodput(self._wall_clock())
+        if goodput is not None:
+            self.metrics.goodput(goodput)
 
     def on_step(self, step: int, metrics: dict | None = None) -> None:
         self.step = step
@@ -83,18 +103,15 @@ class Telemetry:
         now = self._clock()
         seconds = None if self._last_step_at is None else now - self._last_step_at
         self._last_step_at = now
-        samples_per_second = None
+        self._steps_taken += 1
         if seconds is not None and seconds > 0:
             self.goodput.add_step(seconds)
+            self._step_seconds.append(seconds)
             mean = self._mean_step_seconds
             self._mean_step_seconds = seconds if mean is None else 0.9 * mean + 0.1 * seconds
             samples = self._samples_per_step()
             if samples:
-                samples_per_second = samples / seconds
-        self.metrics.step(step, seconds, samples_per_second)
-        goodput = self.goodput.goodput(self._wall_clock())
-        if goodput is not None:
-            self.metrics.goodput(goodput)
+                self._samples_per_second = samples / seconds
 
     def on_commit(self, result: SaveResult) -> None:
         if not self.chief:
@@ -124,6 +141,8 @@ class Telemetry:
         next_gpu = next_mark = self._clock()
         while not self._stop.wait(1.0):
             now = self._clock()
+            if self.chief and self.metrics.enabled:
+                self.publish()
             if self._gpu is not None and now >= next_gpu:
                 next_gpu = now + GPU_SAMPLE_SECONDS
                 self._sample_gpu(now)

@@ -24,7 +24,7 @@ class Recorder(NoMetrics):
 
     def __init__(self):
         self.calls: list[tuple] = []
-        for name in ("step", "goodput", "checkpoint_committed", "checkpoint_interval", "lost_steps", "gpu"):
+        for name in ("steps", "goodput", "checkpoint_committed", "checkpoint_interval", "lost_steps", "gpu"):
             setattr(self, name, lambda *args, name=name: self.calls.append((name, *args)))
 
     def named(self, name):
@@ -62,11 +62,17 @@ def test_rank_0_emits_step_time_samples_per_second_and_goodput(tmp_path):
         mono.now += 0.5
         wall.now += 0.5
         made.on_step(step)
-    steps = recorder.named("step")
-    assert steps[0] == (1, None, None)  # the first interval holds the restore: not a step time
-    assert steps[1:] == [(2, 0.5, 128.0), (3, 0.5, 128.0), (4, 0.5, 128.0)]
+    assert recorder.calls == []  # the loop's thread only measures; the background thread publishes
+    made.publish()
+    # 4 steps; the first interval holds the restore, so it is no step time
+    assert recorder.named("steps") == [(4, 4, [0.5, 0.5, 0.5], 128.0)]
     # 1.5 s of productive steps in the 2 s since the run started
-    assert recorder.named("goodput")[-1] == (pytest.approx(0.75),)
+    assert recorder.named("goodput") == [(pytest.approx(0.75),)]
+    made.publish()  # nothing new: nothing published
+    mono.now += 0.25
+    made.on_step(5)
+    made.publish()
+    assert recorder.named("steps")[1:] == [(1, 5, [0.25], 256.0)]
 
 
 def test_commits_emit_save_stall_time_and_the_expected_interval(tmp_path):
@@ -84,6 +90,7 @@ def test_other_ranks_emit_no_run_series(tmp_path):
     made, recorder, _, mono = telemetry(tmp_path, rank=1)
     mono.now += 1
     made.on_step(1)
+    made.publish()
     made.on_commit(SaveResult(step=1, committed=True, blocked_seconds=0.0, total_seconds=0.1, attempts=1))
     assert made.resumed(0) == 0
     assert recorder.calls == []
