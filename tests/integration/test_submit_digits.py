@@ -344,7 +344,7 @@ def test_bad_input_exits_2_with_one_line(stack, args, expected):
         ("jobs/digits_augment.yaml", ["--set", "config.epochs=2"]),  # crop/flip/noise in 2 DataLoader workers
     ],
 )
-def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(stack, job, overrides):
+def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(stack, job, overrides, prometheus):
     """The user-facing verifier on jobs that draw random numbers: 3 kills (one inside a checkpoint save) and a
     reclaim notice (a just-in-time end). The random streams of the training loop and of the DataLoader workers
     continue exactly, so the final model and optimizer are bit-identical and every sample is seen once per epoch.
@@ -362,6 +362,11 @@ def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(stack,
     # on a machine loaded by a second test run. The faults themselves are counted above.
     assert report["interrupted"]["restarts"] >= 3
     assert report["tensors_compared"] >= 6  # model and optimizer (momentum, Adam's moments) tensors
+    # The reclaim notice's just-in-time end reached Prometheus as a preemption, from the run's driver.
+    deadline = time.time() + 60
+    while not prometheus.query("sum(ray_elastic_preemptions_total) > 0") and time.time() < deadline:
+        time.sleep(2)
+    assert prometheus.query("sum(ray_elastic_preemptions_total) > 0"), "no preemption in Prometheus"
 
 
 def test_verify_resume_across_2_1_2_workers_sees_every_sample_once(stack):
