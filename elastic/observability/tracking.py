@@ -133,6 +133,7 @@ def resolve_run(tracking: TrackingSpec, spec: JobSpec, run_name: str, known_id: 
         _log.info("tracking: %s MLflow run %s (%s)", "started" if created else "continuing", known_id, run_name)
     else:
         _log.info("tracking: continuing MLflow run %s from the checkpoint", known_id)
+    runs.client.update_run(known_id, status="RUNNING")  # a finished run resubmitted for more steps runs again
     runs.log_params(known_id, job_params(spec))
     return known_id
 

@@ -299,7 +299,10 @@ def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env, promethe
     assert params["config.epochs"] == "2" and params["checkpoint.every_steps"] == "10"
     assert run["info"]["status"] == "FINISHED"
     loss_steps = sorted({m["step"] for m in mlflow_server.metric_history(run["info"]["run_id"], "loss")})
-    assert loss_steps == list(range(5, 46, 5)) and loss_steps[-1] > resumed_at[-1]
+    # Metrics still queued on a killed rank 0 are gone, and steps up to the checkpoint resumed from are not
+    # re-done: those may miss. Before the first kill and everything after the last resume point are there.
+    assert set(loss_steps) <= set(range(5, 46, 5)) and loss_steps[0] < resumed_at[0], loss_steps
+    assert set(range(resumed_at[-1] + 5, 46, 5)) <= set(loss_steps), (loss_steps, resumed_at)
     assert [m["step"] for m in mlflow_server.metric_history(run["info"]["run_id"], "accuracy")] == [46]
 
     # TensorBoard: event files under the run's folder in the bucket, one per placement attempt that logged,

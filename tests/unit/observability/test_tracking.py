@@ -91,6 +91,9 @@ def test_tracker_logs_every_n_steps_and_finishes_the_run(tmp_path, mlflow_uri):
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [5, 10]
     assert [m.value for m in client.get_metric_history(run_id, "accuracy")] == [0.9]
     assert client.get_run(run_id).info.status == "FINISHED"
+    # Resubmitted for more epochs: the same run, running again.
+    assert resolve_run(spec.tracking, spec, "digits-b", run_id) == run_id
+    assert client.get_run(run_id).info.status == "RUNNING"
     events = EventAccumulator(str(tmp_path / "tb" / "digits-b"))
     events.Reload()
     assert [(e.step, round(e.value, 3)) for e in events.Scalars("loss")] == [(5, 0.2), (10, 0.1)]
