@@ -12,9 +12,21 @@ MIN_PIP := 25.0
 # One auth mode for every Ray process, driver and CLI call of the local stack (README: Development notes).
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install demo lint test test-unit test-integration down clean
+.PHONY: install prometheus demo lint test test-unit test-integration down clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed prometheus
+
+# Prometheus and promtool from Debian's package: `make lint` checks the alert rules with promtool, and the
+# integration tests start a Prometheus of their own (127.0.0.1, a free port). Installed when missing (as root,
+# non-interactively, as CI runs); the package's own service, where an init system started it, is stopped and
+# disabled so nothing is left listening on its fixed port.
+prometheus:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends prometheus \
+	  || { echo "install Prometheus (Debian: apt-get install prometheus) for promtool and the integration tests" >&2; exit 1; }; \
+	  $$SUDO systemctl disable --now prometheus >/dev/null 2>&1 || $$SUDO service prometheus stop >/dev/null 2>&1 || true; \
+	}
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +47,8 @@ lint: install
 	$(BIN)/lint-imports
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
+	promtool check rules deploy/prometheus/elastic-alerts.yml
+	promtool test rules deploy/prometheus/elastic-alerts.test.yml
 
 test: lint
 	$(BIN)/python -m pytest tests

@@ -143,6 +143,29 @@ class TrainSpec(_Frozen):
     )
 
 
+class TrackingSpec(_Frozen):
+    """Experiment tracking from rank 0: the job's settings as parameters, its step metrics every N steps."""
+
+    mlflow: Optional[str] = Field(
+        default=None,
+        description="MLflow tracking URI (http://host:5000, a sqlite:/// or file path). One MLflow run per elastic "
+        "run: a resumed run continues it (its id is kept in the checkpoint).",
+    )
+    tensorboard: Optional[str] = Field(
+        default=None,
+        description="Root for TensorBoard event files (a path or s3:// etc.); the run writes under <tensorboard>/<run>/.",
+    )
+    every_steps: int = Field(default=10, ge=1, description="Log the step's metrics every N optimizer steps.")
+    experiment: Optional[str] = Field(default=None, description="MLflow experiment; default: the job's name.")
+    parent_run_id: Optional[str] = Field(
+        default=None, description="MLflow run to nest this run under (a sweep sets it: one child run per trial)."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mlflow is not None or self.tensorboard is not None
+
+
 class RuntimeEnvSpec(_Frozen):
     """Extra Ray runtime_env for the job: packages and environment variables."""
 
@@ -176,6 +199,7 @@ class JobSpec(_Frozen):
     failure: FailureSpec = Field(default_factory=FailureSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     runtime_env: RuntimeEnvSpec = Field(default_factory=RuntimeEnvSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
 
     def run_name(self, suffix: str | None = None) -> str:
         """Deterministic run name: submitting the same job (and suffix) again resumes the same run."""

@@ -35,10 +35,11 @@ from elastic.driver import capacity
 from elastic.driver.ray_config import build_trainer
 from elastic.ledger import LedgerWriter, NoLedger
 from elastic.ledger.events import CapacityWaited, PlacementEnded, PlacementStarted
+from elastic.observability.metrics import run_metrics
 from elastic.placement import loop as decisions
 from elastic.placement import policy
 from elastic.placement.control import Placement, PlacementControl, new_placement_id
-from elastic.placement.messages import Acknowledgement
+from elastic.placement.messages import Acknowledgement, EndKind
 from elastic.worker.sharing import TrialSharing
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class PlacementExecutor:
         self.released: dict[str, int] | None = None  # slots the previous placement's workers are freeing
         self.ending: _Fitting | None = None  # the previous placement's fit(), still shutting down
         self.ahead: _Started | None = None  # the next placement, started before the current one ended
+        self.metrics = run_metrics(run_name)  # preemptions and placement size by market, from the driver
 
     def run(self):
         self.control.clear()  # leftovers of an earlier job of this run name
@@ -109,6 +111,8 @@ class PlacementExecutor:
                 self.ending, self.released = fitting, dict(Counter(ended.nodes))
                 record.update(ended_at_step=ended.step, ended_by=ended.kind.value)
                 self._ended(current, ended.kind.value, ended.step)
+                if ended.kind == EndKind.PREEMPTION:
+                    self.metrics.preemption()
                 decision = self._decide(
                     decisions.PlacementEnded(ended.step, ended.kind, ended.nodes), prefix=f"placement {current.id}: "
                 )
@@ -234,6 +238,7 @@ class PlacementExecutor:
                 follows=follows,
             )
         )
+        self.metrics.placement(placement.market, placement.workers)
         logger.info(
             "placement %s: %s worker(s) on %s nodes%s",
             placement.id,

@@ -155,6 +155,9 @@ class LocalState:
             "s3_endpoint": self.s3_endpoint,
             **faults,
             "bucket": self.bucket,
+            # Ray's head session lives here: <temp_dir>/session_latest/prom_metrics_service_discovery.json lists
+            # every node's metrics endpoint for Prometheus (README: Metrics, dashboards, alerts).
+            "temp_dir": self.temp_dir,
             "nodes": [{k: n[k] for k in ("node_id", "name", "market", "role", "cpus", "gpus")} for n in self.nodes],
             "env": self.env(),
         }

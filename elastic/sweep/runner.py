@@ -33,6 +33,7 @@ from elastic.driver.run_ledger import end_run_ledger, start_run_ledger
 from elastic.driver.submit import DEFAULT_EXCLUDES
 from elastic.errors import ClusterError, TrialOutOfMemory, UserError
 from elastic.local import stack as local
+from elastic.observability.tracking import MlflowRuns, sweep_parent_run
 from elastic.placement.labels import MARKET_LABEL, matches, worker_selector
 from elastic.storage import fsspec_filesystem, parse_uri, pyarrow_filesystem
 from elastic.sweep import packing
@@ -332,6 +333,13 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
     if resume and not restorable:
         raise UserError(f"--resume: no sweep {sweep.name} to restore at {experiment}; run it without --resume")
     saved = prepare_plan(sweep, job, say)
+    parent = sweep_parent_run(job.tracking, sweep.name)
+    if parent is not None:  # one MLflow run per trial, nested under the sweep's run
+        tracking = job.tracking.model_copy(
+            update={"parent_run_id": parent, "experiment": job.tracking.experiment or sweep.name}
+        )
+        job = job.model_copy(update={"tracking": tracking})
+        say(f"tracking: trials log to MLflow under the sweep's run {parent}")
     setup = {
         "sweep": sweep.name,
         "job": job.model_dump(mode="json"),
@@ -386,6 +394,8 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
         return summary
     finally:
         end_sweep_ledger(ledger, sweep.name, summary)
+        if parent is not None:
+            MlflowRuns(job.tracking.mlflow).finish(parent)
 
 
 def report(sweep: SweepSpec, job: JobSpec, results, saved: dict, seconds: float) -> dict:

@@ -31,6 +31,8 @@ from elastic.checkpoint.checkpointer import SaveResult, ShardedCheckpointer
 from elastic.checkpoint.store import CheckpointStore, Retention, run_directory
 from elastic.config.spec import JobSpec
 from elastic.data import ResumableLoader, ResumableSampler
+from elastic.observability.gpu import gpu_sampler
+from elastic.observability.metrics import run_metrics
 from elastic.worker.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.worker.cadence import CheckpointCadence
 from elastic.worker.chaos import Chaos
@@ -48,6 +50,8 @@ from elastic.worker.optimizer_step import (
 from elastic.worker.placement_watch import placement_watch
 from elastic.worker.reporting import CommitReports
 from elastic.worker.run_ledger import attempt_ledger
+from elastic.worker.telemetry import Telemetry
+from elastic.worker.tracking import SessionTracking
 from elastic.worker.training_state import Stateful, TrainingState
 
 _log = logging.getLogger(__name__)
@@ -98,7 +102,21 @@ class Session:
             on_failure=self._on_failed_save,
         )
         self._state = TrainingState(self.rank, self.world_size)
-        self._step_hooks: list[StepHook] = []
+        # Run metrics out through Ray's Prometheus export; goodput's clock rides in the checkpoint.
+        self._telemetry = Telemetry(
+            run_metrics(run_name),
+            self.rank,
+            spec.checkpoint,
+            self.store,
+            self._samples_per_step,
+            gpu_sampler(self.device),
+        )
+        self._state.tracked["elastic.goodput"] = self._telemetry.goodput
+        # The spec's `tracking:` (MLflow, TensorBoard); the MLflow run id rides in the checkpoint.
+        self._tracking = SessionTracking(spec, run_name, self.rank)
+        self._state.tracked["elastic.tracking"] = self._tracking.state
+        self._step_hooks: list[StepHook] = [self._telemetry.on_step, self._tracking.on_step]
+        self._telemetry.start()
         self._retention = Retention(self.store, spec.checkpoint.keep, spec.checkpoint.keep_every)
         self._cadence = CheckpointCadence(spec.checkpoint)
         self._chaos = Chaos(self.store, self.rank)
@@ -258,6 +276,7 @@ class Session:
         if not committed:
             self._start_ledger(0)
             self._attempt.training()
+            self._telemetry.resumed(0)
             return 0
         step, state = self.checkpointer.load_newest(committed, self._state.template)
         self._state.load_state_dict(state)
@@ -268,6 +287,7 @@ class Session:
         info = self.store.info(step)
         self._attempt.restored(self.step_count, info.world_size or 0, self.world_size)
         self._attempt.training()
+        self._telemetry.resumed(self.step_count)
         self.log(
             f"resumed from checkpoint at step {self.step_count} ({info.uri}, written by "
             f"{info.world_size} workers, now {self.world_size})"
@@ -351,6 +371,7 @@ class Session:
     def finish(self, metrics: dict | None = None) -> None:
         """Final checkpoint, waited for and reported with `metrics`: call at the end of training on every rank."""
         final = {"step": self.step_count, **(metrics or {})}
+        self._tracking.finish(self.step_count, final)
         if self._last_saved_step != self.step_count:
             self.checkpoint(metrics, asynchronous=False, reason="final")
             self._raise_if_failed(self.checkpointer.wait())
@@ -399,6 +420,13 @@ class Session:
             dist.broadcast_object_list(attempt, src=0, group=self._checkpoint_group)
         self._ledger.attempt, self._ledger.resumed_from = attempt[0], resumed_from
 
+    def _samples_per_step(self) -> int | None:
+        """Samples in one optimizer step over all ranks, from the session's loader (None without one)."""
+        sampler = getattr(self._state.tracked.get("data"), "sampler", None)
+        if sampler is None:
+            return None
+        return sampler.batch_size * self.world_size * self.spec.train.grad_accumulation
+
     def _wait_for_save(self) -> SaveResult | None:
         result = self.checkpointer.wait()
         self._log_failure(result)
@@ -415,6 +443,7 @@ class Session:
         elastic.worker.reporting), prune (rank 0)."""
         self._ending.jit.saved(result.total_seconds)
         self._attempt.committed(result)
+        self._telemetry.on_commit(result)
         metrics = self._reports.metrics(result.step)
         self.log(
             f"checkpoint at step {result.step} committed (stall {result.blocked_seconds * 1000:.1f} ms, "

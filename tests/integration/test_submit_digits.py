@@ -1,13 +1,21 @@
 """End to end on a real local stack: the digits DDP job through Ray's job API, checkpoints in the S3 bucket,
-placement on spot nodes, resume on resubmission, and one-line errors for bad input."""
+placement on spot nodes, resume on resubmission, and one-line errors for bad input. A Prometheus scrapes the
+stack through Ray's service discovery for the whole module (our series during a run, every Grafana panel's
+query, the alert rules loaded), and the run with kills tracks to a real `mlflow server` and TensorBoard."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import boto3
 import pytest
+from conftest import ROOT
+from observability_helpers import running_mlflow, running_prometheus
 
 from elastic.local.s3_faults import running_proxy
 
@@ -16,6 +24,21 @@ pytestmark = pytest.mark.integration
 RUN_SUFFIX = "it"
 RUN_NAME = f"digits-ddp-{RUN_SUFFIX}"
 WORKER_LINE = re.compile(r"worker rank (\d+)/(\d+) on node ([0-9a-f]+) market=(\S+)")
+
+
+@pytest.fixture(scope="module")
+def prometheus(stack, tmp_path_factory):
+    """Started with the module's stack, so it holds every run of the module; `started` is its start time."""
+    rules = [ROOT / "deploy" / "prometheus" / "elastic-alerts.yml"]
+    with running_prometheus(tmp_path_factory.mktemp("prometheus"), stack["temp_dir"], rules) as server:
+        server.started = time.time()
+        yield server
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    with running_mlflow(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
 
 
 def s3(env: dict):
@@ -38,7 +61,7 @@ def summary(env: dict, bucket: str, run: str) -> dict:
     return json.loads(body)
 
 
-def test_local_up_reports_labeled_nodes_and_bucket(stack, stack_env):
+def test_local_up_reports_labeled_nodes_and_bucket(stack, stack_env, prometheus):
     nodes = stack["nodes"]
     assert [n["market"] for n in nodes].count("spot") == 2
     assert [n["market"] for n in nodes].count("on-demand") == 2  # the head and one worker
@@ -218,24 +241,51 @@ def load_final_state(env: dict, run_uri: str, step: int) -> dict:
         os.environ.update(saved)
 
 
-def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env):
+def run_watching_prometheus(cli, prometheus, run: str, args: list[str]) -> tuple[str, list[float]]:
+    """`elastic <args>` to the end, querying Prometheus for the run's step while it runs: (stdout, steps seen)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elastic", *args], cwd=ROOT, env=cli.env, stdout=subprocess.PIPE, text=True
+    )
+    seen: list[float] = []
+    while proc.poll() is None:
+        seen += [float(r["value"][1]) for r in prometheus.query(f'max(ray_elastic_step{{run="{run}"}})')]
+        time.sleep(1)
+    stdout = proc.stdout.read()
+    assert proc.returncode == 0, stdout[-3000:]
+    return stdout, seen
+
+
+def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env, prometheus, mlflow_server):
     """Two runs of the same job, one with two workers killed mid-run (one right after a checkpoint, one
-    between checkpoints): after the automatic restarts the final model and optimizer are bit-identical."""
+    between checkpoints): after the automatic restarts the final model and optimizer are bit-identical.
+
+    The killed run also tracks to MLflow and TensorBoard (one MLflow run across the restarts, its steps going
+    on) and is watched in Prometheus while it runs (its step, the steps its restarts lost)."""
     import torch
 
     cli = stack["cli"]
     common = ["--set", "config.epochs=2", "--set", "checkpoint.every_steps=10", "--follow"]
     cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "eq-clean", *common, check=True)
-    killed = cli.run(
-        "submit",
-        "jobs/digits_ddp.yaml",
-        "--suffix",
-        "eq-killed",
-        *common,
-        "--set",
-        "runtime_env.env_vars.ELASTIC_CHAOS_KILL_AT=21:1,37:0",
-        check=True,
+    tracking = [
+        *("--set", f"tracking.mlflow={mlflow_server.url}", "--set", "tracking.every_steps=5"),
+        *("--set", f"tracking.tensorboard=s3://{stack['bucket']}/tensorboard"),
+    ]
+    stdout, steps_seen = run_watching_prometheus(
+        cli,
+        prometheus,
+        "digits-ddp-eq-killed",
+        [
+            "submit",
+            "jobs/digits_ddp.yaml",
+            "--suffix",
+            "eq-killed",
+            *common,
+            *tracking,
+            "--set",
+            "runtime_env.env_vars.ELASTIC_CHAOS_KILL_AT=21:1,37:0",
+        ],
     )
+    killed = subprocess.CompletedProcess([], 0, stdout=stdout)
     assert killed.stdout.count("chaos: killing rank") == 2
     resumed_at = sorted({int(s) for s in re.findall(r"resumed from checkpoint at step (\d+)", killed.stdout)})
     # A kill lands while the newest checkpoint may still be uploading (an upload takes ~0.3 s, a step ~10 ms):
@@ -257,6 +307,54 @@ def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env):
     assert clean.keys() == resumed.keys() and any(k.startswith("optim.") for k in clean)
     different = [k for k in clean if not torch.equal(clean[k], resumed[k])]
     assert different == []
+
+    # Prometheus saw the run's step while it ran, and counts the steps its restarts lost as the run logged them.
+    assert steps_seen and max(steps_seen) > 0, "no ray_elastic_step for the run in Prometheus while it ran"
+    # Lost steps are counted from a progress mark written once a second, so a kill within a second of the
+    # mark loses steps the count cannot see: Prometheus must agree with what the run logged.
+    logged_lost = sum(
+        int(n) for n in re.findall(r"(\d+) step\(s\) since the checkpoint of step \d+ were lost", killed.stdout)
+    )
+    query = 'sum(ray_elastic_lost_steps_total{run="digits-ddp-eq-killed"})'
+    deadline = time.time() + 60
+    while True:
+        lost = sum(float(r["value"][1]) for r in prometheus.query(query))
+        if lost == logged_lost or time.time() > deadline:
+            break
+        time.sleep(2)
+    assert lost == logged_lost, (lost, logged_lost)
+
+    # MLflow: one run for the whole elastic run, its parameters, and the loss every 5 steps through the kills
+    # and past the last resume point, up to the last step (46), where the final metrics are.
+    runs = mlflow_server.runs("digits-ddp", "tags.`elastic.run` = 'digits-ddp-eq-killed'")
+    assert len(runs) == 1, [r["info"]["run_id"] for r in runs]
+    run = runs[0]
+    params = {p["key"]: p["value"] for p in run["data"].get("params", [])}
+    assert params["config.epochs"] == "2" and params["checkpoint.every_steps"] == "10"
+    assert run["info"]["status"] == "FINISHED"
+    loss_steps = sorted({m["step"] for m in mlflow_server.metric_history(run["info"]["run_id"], "loss")})
+    # Metrics still queued on a killed rank 0 are gone, and steps up to the checkpoint resumed from are not
+    # re-done: those may miss. Before the first kill and everything after the last resume point are there.
+    assert set(loss_steps) <= set(range(5, 46, 5)) and loss_steps[0] < resumed_at[0], loss_steps
+    assert set(range(resumed_at[-1] + 5, 46, 5)) <= set(loss_steps), (loss_steps, resumed_at)
+    assert [m["step"] for m in mlflow_server.metric_history(run["info"]["run_id"], "accuracy")] == [46]
+
+    # TensorBoard: event files under the run's folder in the bucket, one per placement attempt that logged,
+    # read back with TensorBoard's own reader.
+    import s3fs
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    fs = s3fs.S3FileSystem(
+        key=stack_env["AWS_ACCESS_KEY_ID"],
+        secret=stack_env["AWS_SECRET_ACCESS_KEY"],
+        client_kwargs={"endpoint_url": stack_env["AWS_ENDPOINT_URL"], "region_name": stack_env["AWS_REGION"]},
+    )
+    local = Path(stack["temp_dir"]).parent / f"tb-{stack['bucket']}-{int(time.time())}"
+    fs.get(f"{stack['bucket']}/tensorboard/digits-ddp-eq-killed/", str(local / "digits-ddp-eq-killed"), recursive=True)
+    events = EventMultiplexer().AddRunsFromDirectory(str(local))
+    events.Reload()
+    tb_steps = {e.step for e in events.Scalars("digits-ddp-eq-killed", "loss")}
+    assert max(tb_steps) == 45 and {40, 45} <= tb_steps
 
 
 @pytest.mark.parametrize(
@@ -284,7 +382,7 @@ def test_bad_input_exits_2_with_one_line(stack, args, expected):
     ],
 )
 def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(
-    stack, job, overrides, through_job_api, monkeypatch
+    stack, job, overrides, through_job_api, monkeypatch, prometheus
 ):
     """The user-facing verifier on jobs that draw random numbers: 3 kills (one inside a checkpoint save) and a
     reclaim notice (a just-in-time end). The random streams of the training loop and of the DataLoader workers
@@ -320,6 +418,11 @@ def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(
     # on a machine loaded by a second test run. The faults themselves are counted above.
     assert report["interrupted"]["restarts"] >= 3
     assert report["tensors_compared"] >= 6  # model and optimizer (momentum, Adam's moments) tensors
+    # The reclaim notice's just-in-time end reached Prometheus as a preemption, from the run's driver.
+    deadline = time.time() + 60
+    while not prometheus.query("sum(ray_elastic_preemptions_total) > 0") and time.time() < deadline:
+        time.sleep(2)
+    assert prometheus.query("sum(ray_elastic_preemptions_total) > 0"), "no preemption in Prometheus"
 
 
 def test_verify_resume_across_2_1_2_workers_sees_every_sample_once(stack):
@@ -353,3 +456,48 @@ def test_verify_resume_catches_a_job_that_forgets_its_scheduler(stack):
     assert report["identical"] is False and report["passed"] is False
     assert report["samples_exactly_once"] is True  # the data resumed fine; the learning rate did not
     assert any("final state differs" in p for p in report["problems"])
+
+
+GPU_ROW = "GPU (NVML; GPU nodes only)"  # the dashboard's row of panels over NVML series (absent on CPU nodes)
+
+
+def dashboard_queries() -> list[tuple[str, str, str]]:
+    """(row, panel title, PromQL) of every panel of the shipped dashboard, Grafana's variables filled in as
+    Grafana would for "All runs" and a short range."""
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "elastic.json").read_text())
+    queries, row = [], ""
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+            continue
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$run", ".*").replace("$__rate_interval", "1m")
+            queries.append((row, panel["title"], expr))
+    return queries
+
+
+def test_every_dashboard_panel_has_data_and_the_alert_rules_load(stack, prometheus):
+    """Every panel's query over the module's runs (the kills run, the verify-resume runs with a reclaim notice)
+    returns data, except the GPU row's on a CPU machine, where those series are absent (never zeros)."""
+    import torch
+
+    rules = {rule["name"]: rule for rule in prometheus.rules()}
+    assert set(rules) == {
+        "ElasticLowGpuUtilization",
+        "ElasticLowGoodput",
+        "ElasticCheckpointOverdue",
+        "ElasticFrequentPreemptions",
+    }
+    assert all(rule["health"] == "ok" for rule in rules.values()), rules
+
+    end = time.time()
+    empty = []
+    for row, title, expr in dashboard_queries():
+        series = prometheus.query_range(expr, prometheus.started, end)
+        values = [float(v) for s in series for _, v in s["values"] if v not in ("NaN", "+Inf", "-Inf")]
+        if not values:
+            empty.append((row, title))
+    gpu_panels = {(row, title) for row, title, _ in dashboard_queries() if row == GPU_ROW}
+    assert gpu_panels, "the dashboard has no GPU row"
+    expected_empty = set() if torch.cuda.is_available() else gpu_panels
+    assert set(empty) == expected_empty, empty

@@ -11,6 +11,7 @@ import pytest
 
 from elastic.config.spec import JobSpec
 from elastic.driver import capacity, placements
+from elastic.observability.metrics import NoMetrics
 from elastic.placement.control import ENDING_FILE, PlacementControl
 from elastic.placement.messages import EndingSoon
 from elastic.placement.policy import Decision, NodeView
@@ -39,6 +40,17 @@ class MemoryLedger:
 
     def flush(self) -> None:
         pass
+
+
+class RecordingMetrics(NoMetrics):
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def preemption(self) -> None:
+        self.calls.append(("preemption",))
+
+    def placement(self, market: str, workers: int) -> None:
+        self.calls.append(("placement", market, workers))
 
 
 class ScriptedTrainer:
@@ -102,6 +114,8 @@ def test_a_noticed_reclaim_starts_the_next_placement_ahead_and_it_takes_over_at_
         return ScriptedTrainer((first if len(built) == 1 else second)(placement))
 
     monkeypatch.setattr(placements, "build_trainer", build_trainer)
+    emitted: list[tuple] = []
+    monkeypatch.setattr(placements, "run_metrics", lambda run_name: RecordingMetrics(emitted))
     records: list[dict] = []
     ledger = MemoryLedger()
     result = placements.PlacementExecutor(spec(), "run", str(tmp_path), records, ledger=ledger).run()
@@ -115,6 +129,8 @@ def test_a_noticed_reclaim_starts_the_next_placement_ahead_and_it_takes_over_at_
     ]
     assert ledger.events[1].follows == built[0].id and ledger.events[1].cpus_per_worker == 1
     assert [(e.ended_by, e.step) for e in ledger.events[2:]] == [("preemption", 40), ("finished", None)]
+    # Ray's metrics saw both placements' sizes (the second started ahead of the end) and one preemption.
+    assert emitted == [("placement", "spot", 2), ("placement", "spot", 2), ("preemption",)]
     assert [(r["reason"], r.get("ended_at_step"), r.get("ended_by")) for r in records] == [
         ("workers.market is spot", 40, "preemption"),
         ("resumed after a reclaim at step 40", None, None),
