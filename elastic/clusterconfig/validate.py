@@ -25,12 +25,12 @@ import logging
 from pathlib import Path
 
 import jsonschema
-import yaml
 from ray.autoscaler._private.util import fillout_defaults, prepare_config, validate_config  # private: below
 
 from elastic.clusterconfig.kuberay import check_kuberay
 from elastic.clusterconfig.problems import Problem, key_path, one_line, unique
 from elastic.clusterconfig.rules import check_ray_up
+from elastic.config.documents import load_yaml, read_document
 from elastic.errors import ClusterConfigError
 
 # ray.autoscaler._private.util is private: it is what `ray up` runs on a config; Ray 2.60 has no public
@@ -45,16 +45,8 @@ __all__ = ["ClusterConfigError", "Problem", "config_kind", "load_config", "valid
 
 def load_config(path: str | Path) -> dict:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ClusterConfigError(f"{path}: cannot read it ({err.strerror or err})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise ClusterConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', None) or err})") from None
+    text = read_document(path, "cluster config", ClusterConfigError)
+    data, _ = load_yaml(text, str(path), ClusterConfigError)
     if not isinstance(data, dict):
         raise ClusterConfigError(f"{path}: expected a `ray up` config or a RayCluster manifest (a mapping)")
     return data

@@ -16,12 +16,18 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from elastic.config.documents import load_yaml, read_document
 from elastic.errors import SpecError
 
 Market = Literal["spot", "on-demand", "any", "spot-first"]
 
 _NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 _ENTRYPOINT_PATTERN = r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$"
+# Bounds no real request reaches: past them a number is a typo (an extra zero, a byte count), and refusing it here
+# beats a run that waits forever for capacity no cluster has. `submit` also checks against the cluster's nodes.
+MAX_WORKERS = 10_000
+MAX_CPUS_PER_WORKER = 1024
+MAX_GPUS_PER_WORKER = 64
 
 
 class _Frozen(BaseModel):
@@ -31,12 +37,17 @@ class _Frozen(BaseModel):
 class WorkersSpec(_Frozen):
     """How many training workers, what each needs, and which nodes they may run on."""
 
-    min: int = Field(ge=1, description="Fewest workers the run trains with (it waits below this).")
+    min: int = Field(ge=1, le=MAX_WORKERS, description="Fewest workers the run trains with (it waits below this).")
     max: Optional[int] = Field(
-        default=None, ge=1, description="Most workers; defaults to min. min < max makes the run elastic."
+        default=None,
+        ge=1,
+        le=MAX_WORKERS,
+        description="Most workers; defaults to min. min < max makes the run elastic.",
     )
-    cpus: float = Field(default=1.0, gt=0, description="CPUs per worker.")
-    gpus: float = Field(default=0.0, ge=0, description="GPUs per worker (0 trains on CPU with gloo).")
+    cpus: float = Field(default=1.0, gt=0, le=MAX_CPUS_PER_WORKER, description="CPUs per worker.")
+    gpus: float = Field(
+        default=0.0, ge=0, le=MAX_GPUS_PER_WORKER, description="GPUs per worker (0 trains on CPU with gloo)."
+    )
     market: Market = Field(
         default="any",
         description="Nodes the workers may use: spot, on-demand, any worker node, or spot-first (spot when it "
@@ -200,40 +211,45 @@ class JobSpec(_Frozen):
 def load_job_spec(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> JobSpec:
     """Read, override and validate a job YAML. Raises SpecError with one line on any problem."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such job file; check the path") from None
-    except OSError as err:
-        raise SpecError(f"{path}: cannot read job file ({err.strerror})") from None
+    text = read_document(path, "job file")
     return parse_job_spec(text, source=str(path), overrides=overrides)
 
 
-def parse_job_spec(text: str, source: str = "<job>", overrides: tuple[str, ...] | list[str] = ()) -> JobSpec:
+def parse_job_spec(
+    text: str,
+    source: str = "<job>",
+    overrides: tuple[str, ...] | list[str] = (),
+    overrides_where: str = "--set {item}",
+) -> JobSpec:
     return parse_spec(
-        text, JobSpec, source, overrides, "a job file must be a YAML mapping with name, entrypoint, workers, checkpoint"
+        text,
+        JobSpec,
+        source,
+        overrides,
+        "a job file must be a YAML mapping with name, entrypoint, workers, checkpoint",
+        overrides_where,
     )
 
 
 def parse_spec(
-    text: str, model: type[BaseModel], source: str, overrides: tuple[str, ...] | list[str], not_a_mapping: str
+    text: str,
+    model: type[BaseModel],
+    source: str,
+    overrides: tuple[str, ...] | list[str],
+    not_a_mapping: str,
+    overrides_where: str = "--set {item}",
 ):
-    """YAML text -> `model`, with --set overrides; every problem one SpecError line (shared by job and sweep)."""
-    try:
-        raw = yaml.safe_load(text)
-        root = yaml.compose(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise SpecError(f"{where}: not valid YAML ({problem}); fix the syntax") from None
+    """YAML text -> `model`, with --set overrides; every problem one SpecError line (shared by job and sweep).
+    `overrides_where` names an overridden field in that line ({item}: FIELD=VALUE, {field}: FIELD): the flag on a
+    command line, the sweep file's `overrides` for a sweep's job."""
+    raw, root = load_yaml(text, source)
     if not isinstance(raw, dict):
         raise SpecError(f"{source}: {not_a_mapping}")
     raw = apply_overrides(raw, overrides)
     try:
         return model.model_validate(raw)
     except ValidationError as err:
-        raise SpecError(_describe(err, model, root, source, overrides)) from None
+        raise SpecError(_describe(err, model, root, source, overrides, overrides_where)) from None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -285,6 +301,7 @@ def _describe(
     root: yaml.Node | None,
     source: str,
     overrides: tuple[str, ...] | list[str] = (),
+    overrides_where: str = "--set {item}",
 ) -> str:
     # A misspelled required field yields "missing" and "unknown field" errors: the typo is the useful one.
     errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
@@ -304,11 +321,12 @@ def _describe(
     else:
         line = _line_of(root, loc, key=False)
         got = first.get("input")
-        shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+        shown = "" if isinstance(got, (dict, list)) else f" (got {_shorten(repr(got))})"
         text = _PATTERN_HINTS.get(first["type"] == "string_pattern_mismatch" and str(loc[-1]), None) or first[
             "msg"
         ].removeprefix("Value error, ")
-        message = f"{dotted}: {text}{shown}"
+        fix = _FIXES.get(kind, "")
+        message = f"{dotted}: {_shorten(text, 200)}{shown}{fix}"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     overridden = [
         o
@@ -316,10 +334,24 @@ def _describe(
         if dotted == o.partition("=")[0].strip() or dotted.startswith(o.partition("=")[0].strip() + ".")
     ]
     if overridden:
-        where = f"--set {overridden[-1]}"
+        item = overridden[-1]
+        where = overrides_where.format(item=item, field=item.partition("=")[0].strip())
     else:
         where = f"{source}:{line}" if line else source
     return f"{where}: {message}{more}"
+
+
+_FIXES = {  # pydantic's message says what is wrong; this says what to do
+    "less_than_equal": "; lower it",
+    "less_than": "; lower it",
+    "greater_than_equal": "; raise it",
+    "greater_than": "; raise it",
+}
+
+
+def _shorten(text: str, limit: int = 60) -> str:
+    """A value as the error line shows it: a 5,000-character value must not become a 5,000-character line."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 _PATTERN_HINTS = {
