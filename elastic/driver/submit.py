@@ -82,10 +82,16 @@ def client(target: Target):
 
 
 def submit(
-    spec: JobSpec, target: Target, suffix: str | None = None, working_dir: Path | None = None, check_bucket: bool = True
+    spec: JobSpec,
+    target: Target,
+    suffix: str | None = None,
+    working_dir: Path | None = None,
+    check_bucket: bool = True,
+    spec_source: str | None = None,
 ) -> Submitted:
+    """`spec_source`: the job file, named in the error line of a bad entrypoint."""
     working_dir = (working_dir or Path.cwd()).resolve()
-    check_entrypoint(spec, working_dir)
+    check_entrypoint(spec, working_dir, spec_source)
     run_name = spec.run_name(suffix)
     if check_bucket:
         _check_storage_from_client(spec, target)

@@ -53,6 +53,11 @@ class Case:
     expect: tuple[str, ...]  # fragments of the one line: the field and the fix
     args: tuple[str, ...] = ()  # after the file (--set ...)
     names_file: bool = True  # False where the line names the --set flag instead
+    project: tuple[tuple[str, bytes], ...] = ()  # files of a project folder given as --working-dir
+
+
+def entry(target: str) -> str:
+    return job("entrypoint: jobs/digits_ddp.py:train", f"entrypoint: {target}")
 
 
 CHECK, SUBMIT, SWEEP_VERB, VALIDATE = ("spec", "check"), ("submit",), ("sweep",), ("cluster", "validate")
@@ -111,6 +116,20 @@ CORPUS = [
     Case("job-precision", CHECK, job(add="train: {precision: fp8}\n"), ("train.precision", "'fp32'")),
     Case("job-date-value", CHECK, job("  every_steps: 50", "  every_steps: 2024-01-01"), ("checkpoint.every_steps",)),
     Case("job-key-is-int", CHECK, job(add="1: one\n"), ("unknown field",)),
+    # --- the entrypoint, resolved as `submit` does (file exists, defines the function; never imported)
+    Case("entry-no-file", CHECK, entry("jobs/nope.py:train"), ("entrypoint: jobs/nope.py not found", "fix the path")),
+    Case("entry-no-function", CHECK, entry("jobs/digits_ddp.py:trian"), ("defines no function 'trian'", "train")),
+    Case("entry-a-folder", CHECK, entry("jobs.py:train"), ("not found",), project=(("jobs.py/x", b""),)),
+    Case("entry-syntax", CHECK, entry("t.py:train"), ("t.py:1: syntax error",), project=(("t.py", b"def train(:\n"),)),
+    Case(
+        "entry-latin1",
+        CHECK,
+        entry("t.py:train"),
+        ("t.py", "fix the file"),
+        project=(("t.py", b"x = 'caf\xe9'\ndef train(): pass\n"),),
+    ),
+    Case("entry-nul", CHECK, entry("t.py:train"), ("t.py",), project=(("t.py", b"def train():\x00\n"),)),
+    Case("entry-set", CHECK, JOB, ("defines no function 'x'",), ("--set", "entrypoint=jobs/digits_ddp.py:x")),
     # --- --set values
     Case("set-no-equals", CHECK, JOB, ("expected FIELD=VALUE",), args=("--set", "workers.min"), names_file=False),
     Case("set-empty-key", CHECK, JOB, ("expected FIELD=VALUE",), args=("--set", "=3"), names_file=False),
@@ -164,7 +183,14 @@ def test_malformed_input_exits_2_with_one_line(case: Case, tmp_path, monkeypatch
     else:
         path.write_text(case.content)
     monkeypatch.chdir(ROOT)  # the entrypoint resolves from the project root, as `submit` run there does
-    code, out, err = run_elastic([*case.verb, str(path), *case.args], monkeypatch, capsys)
+    args = list(case.args)
+    if case.project:
+        project = tmp_path / "project"
+        for name, data in case.project:
+            (project / name).parent.mkdir(parents=True, exist_ok=True)
+            (project / name).write_bytes(data)
+        args += ["--working-dir", str(project)]
+    code, out, err = run_elastic([*case.verb, str(path), *args], monkeypatch, capsys)
     lines = err.strip().splitlines()
     assert code == 2, (code, out[-500:], err[-2000:])
     assert "Traceback" not in err + out
