@@ -232,6 +232,9 @@ def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env):
         (["--set", "checkpoint.uri=s3://no-such-bucket/runs"], "bucket 'no-such-bucket' does not exist"),
         (["--address", "http://127.0.0.1:9"], "cannot reach the Ray job API at http://127.0.0.1:9"),
         (["--set", "entrypoint=jobs/digits_ddp.py:no_such_function"], "defines no function 'no_such_function'"),
+        # More workers than the stack's nodes can ever hold: refused with the numbers, not left waiting.
+        (["--set", "workers.min=50", "--set", "workers.max=50"], "50 workers of 1 CPU each do not fit"),
+        (["--set", "workers.gpus=8"], "one worker needs 1 CPU + 8 GPU but the largest"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(stack, args, expected):
