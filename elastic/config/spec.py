@@ -308,7 +308,7 @@ def _describe(
     first = errors[0]
     loc = tuple(first["loc"])
     kind = first["type"]
-    dotted = ".".join(str(p) for p in loc) or "(root)"
+    dotted = ".".join(_key(p) for p in loc) or "(root)"
     if kind == "extra_forbidden":
         allowed = _allowed_fields(model, loc[:-1])
         line = _line_of(root, loc, key=True)
@@ -347,6 +347,13 @@ _FIXES = {  # pydantic's message says what is wrong; this says what to do
     "greater_than_equal": "; raise it",
     "greater_than": "; raise it",
 }
+
+
+def _key(part) -> str:
+    """One step of a field path as the error line shows it: a key with a newline or a control character in it is
+    quoted, so the line stays one line."""
+    text = str(part)
+    return _shorten(text if text.isprintable() and text.strip() == text else repr(text), 40)
 
 
 def _shorten(text: str, limit: int = 60) -> str:

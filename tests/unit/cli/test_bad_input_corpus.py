@@ -115,6 +115,7 @@ CORPUS = [
     Case("job-env-nested", CHECK, job(add="runtime_env: {env_vars: {A: {b: 1}}}\n"), ("runtime_env.env_vars.A",)),
     Case("job-precision", CHECK, job(add="train: {precision: fp8}\n"), ("train.precision", "'fp32'")),
     Case("job-date-value", CHECK, job("  every_steps: 50", "  every_steps: 2024-01-01"), ("checkpoint.every_steps",)),
+    Case("job-newline-key", CHECK, job_with(workers={"min": 1, "a\nb": 1}), ("workers.'a\\nb': unknown field",)),
     Case("job-key-is-int", CHECK, job(add="1: one\n"), ("unknown field",)),
     # --- the entrypoint, resolved as `submit` does (file exists, defines the function; never imported)
     Case("entry-no-file", CHECK, entry("jobs/nope.py:train"), ("entrypoint: jobs/nope.py not found", "fix the path")),
