@@ -32,13 +32,13 @@ def spec_schema() -> None:
 )
 def spec_check(job_file: Path, overrides: tuple[str, ...], working_dir: Path | None) -> None:
     """Validate a job file, and its entrypoint as `submit` does (the file exists and defines the function),
-    and print it with defaults filled in."""
+    and print it with defaults filled in (values of credential-like env_vars shown as <redacted>)."""
     from elastic.config.entrypoint import check_entrypoint
     from elastic.config.spec import load_job_spec
 
     spec = load_job_spec(job_file, overrides)
     check_entrypoint(spec, (working_dir or Path.cwd()).resolve(), str(job_file))
-    print_json(spec.model_dump(mode="json"))
+    print_json(spec.redacted())
 
 
 # ---------------------------------------------------------------------------------------------------------

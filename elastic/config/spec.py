@@ -23,6 +23,9 @@ Market = Literal["spot", "on-demand", "any", "spot-first"]
 
 _NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 _ENTRYPOINT_PATTERN = r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$"
+# Environment variables whose names look like credentials: their values are never echoed (JobSpec.redacted).
+REDACTED = "<redacted>"
+_SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSW|CREDENTIAL|AUTH|SESSION|PRIVATE", re.IGNORECASE)
 # Bounds no real request reaches: past them a number is a typo (an extra zero, a byte count), and refusing it here
 # beats a run that waits forever for capacity no cluster has. `submit` also checks against the cluster's nodes.
 MAX_WORKERS = 10_000
@@ -194,6 +197,14 @@ class JobSpec(_Frozen):
         if not re.fullmatch(_NAME_PATTERN, name):
             raise SpecError(f"--suffix {suffix!r}: {_PATTERN_HINTS['name']} (the run name is {name!r})")
         return name
+
+    def redacted(self) -> dict[str, Any]:
+        """The spec as JSON for people and files: values of env_vars whose name looks like a credential
+        (…KEY…, …SECRET…, …TOKEN…, …PASSWORD…) are replaced, so `spec check`, logs and reports never echo them."""
+        data = self.model_dump(mode="json")
+        env = data["runtime_env"]["env_vars"]
+        data["runtime_env"]["env_vars"] = {k: REDACTED if _SECRET_NAME.search(k) else v for k, v in env.items()}
+        return data
 
     @property
     def entrypoint_target(self) -> str:

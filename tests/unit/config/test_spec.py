@@ -522,3 +522,25 @@ def test_set_reads_exponent_numbers_as_numbers():
 def test_scalar_env_vars_become_the_strings_a_process_environment_holds():
     spec = parse_job_spec(MINIMAL + "runtime_env:\n  env_vars:\n    A: 1\n    B: true\n    C: 0.5\n")
     assert spec.runtime_env.env_vars == {"A": "1", "B": "true", "C": "0.5"}
+
+
+def test_spec_check_never_echoes_credentials(tmp_path):
+    secret = "elastic-fake-secret-value-3k9"
+    result = _cli(
+        [
+            "spec",
+            "check",
+            str(DIGITS),
+            f"--set=runtime_env.env_vars.AWS_SECRET_ACCESS_KEY={secret}",
+            f"--set=runtime_env.env_vars.RAY_AUTH_TOKEN={secret}",
+            "--set=runtime_env.env_vars.NCCL_DEBUG=INFO",
+        ],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert secret not in result.stdout + result.stderr
+    assert json.loads(result.stdout)["runtime_env"]["env_vars"] == {
+        "AWS_SECRET_ACCESS_KEY": "<redacted>",
+        "RAY_AUTH_TOKEN": "<redacted>",
+        "NCCL_DEBUG": "INFO",  # not a credential: shown
+    }
