@@ -21,10 +21,12 @@ security group it creates and nodes accept keys only; any other port open to 0.0
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from pathlib import Path
 
 import jsonschema
+import ray.autoscaler
 from ray.autoscaler._private.util import fillout_defaults, prepare_config, validate_config  # private: below
 
 from elastic.clusterconfig.kuberay import check_kuberay
@@ -109,7 +111,22 @@ def ray_schema_problems(config: dict) -> list[Problem]:
     except jsonschema.ValidationError as err:
         return [Problem(key_path(err.absolute_path) or "(top level)", f"{one_line(err.message)} (Ray's schema)")]
     except Exception as err:  # Ray raises ValueError, KeyError, NotImplementedError...: report, don't crash
+        # Preparing a config of the wrong shape fails before Ray's schema runs (a list where a mapping belongs
+        # gives "list indices must be integers"): the schema on the file as written names the field instead.
+        shape = _raw_schema_problem(config)
+        if shape is not None:
+            return [shape]
         return [Problem("(config)", f"{one_line(str(err)) or type(err).__name__} (Ray's config check)")]
     finally:
         quiet.setLevel(level)
     return []
+
+
+def _raw_schema_problem(config: dict) -> Problem | None:
+    """The first type or shape error of Ray's schema on the config as written (missing fields are not errors
+    here: `ray up` fills them in)."""
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    for err in sorted(jsonschema.Draft7Validator(schema).iter_errors(config), key=lambda e: list(e.absolute_path)):
+        if err.validator != "required":
+            return Problem(key_path(err.absolute_path) or "(top level)", f"{one_line(err.message)} (Ray's schema)")
+    return None

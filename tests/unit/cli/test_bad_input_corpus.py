@@ -22,6 +22,7 @@ SWEEP = (
     .replace("job: jobs/digits_ddp.yaml", f"job: {ROOT}/jobs/digits_ddp.yaml")
 )
 
+CLUSTER = (ROOT / "cluster-configs" / "aws-spot-gpu.yaml").read_text()
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
     f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
@@ -36,6 +37,12 @@ def job(replace: str = "", by: str = "", add: str = "") -> str:
 
 def job_with(**fields) -> str:
     raw = yaml.safe_load(JOB)
+    raw.update(fields)
+    return yaml.safe_dump(raw)
+
+
+def cluster_with(**fields) -> str:
+    raw = yaml.safe_load(CLUSTER)
     raw.update(fields)
     return yaml.safe_dump(raw)
 
@@ -164,6 +171,9 @@ CORPUS = [
     Case("cluster-alias-bomb", VALIDATE, BOMB, ("alias bomb",)),
     Case("cluster-too-large", VALIDATE, "#\n" * (MAX_DOCUMENT_BYTES // 2 + 1), ("too large",)),
     Case("cluster-bad-yaml", VALIDATE, "provider: {type: aws\n", ("not valid YAML",)),
+    Case("cluster-max-workers-word", VALIDATE, cluster_with(max_workers="lots"), ("max_workers", "not of type")),
+    Case("cluster-node-types-list", VALIDATE, cluster_with(available_node_types=["a"]), ("available_node_types",)),
+    Case("cluster-head-type-int", VALIDATE, cluster_with(head_node_type=5), ("head_node_type", "not of type")),
     Case("cluster-provider-scalar", VALIDATE, "cluster_name: x\nprovider: aws\n", ("provider",)),
 ]
 
