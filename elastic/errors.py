@@ -61,3 +61,21 @@ class DrainError(ElasticError):
 
 class TrialOutOfMemory(ElasticError):
     """A trial ran out of memory at the whole-GPU share, or after max_oom_retries bigger shares."""
+
+
+class SharedGPUError(ElasticError):
+    """Two ranks of one sweep trial were given the same GPU."""
+
+
+class ProbeDone(Exception):
+    """Raised after a packing probe's last step, to leave the job's training loop (control flow, not an error)."""
+
+
+class PlacementEnded(BaseException):
+    """Raised on every rank at the checkpoint a placement ends at; the worker entry returns on it, so Ray Train
+    sees the run finish cleanly. A BaseException, like SystemExit: `except Exception` in user code must not
+    swallow it."""
+
+    def __init__(self, step: int):
+        super().__init__(f"placement ended at checkpoint step {step}")
+        self.step = step

@@ -1,2 +1,2 @@
-"""Benchmarks behind `elastic bench`: checkpoint and overhead (bench.harness), recovery (bench.recovery, with
-its jobs in bench.jobs) and GPU packing (bench.packing)."""
+"""Benchmarks behind `elastic bench`: checkpoint (bench.checkpointing), overhead (bench.overhead), recovery
+(bench.recovery, with its jobs in bench.jobs) and GPU packing (bench.packing)."""

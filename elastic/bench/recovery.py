@@ -88,7 +88,7 @@ class _Run:
                 entrypoint=f"{sys.executable} -m elastic.bench.jobs {self.name} {self.timeline} {self.steps} "
                 f"{WIDTH} {BATCH} {EVERY_STEPS} {uri} {self.workers}",
                 submission_id=self.job_id,
-                entrypoint_label_selector=submit.driver_placement(submit.live_nodes(target)),
+                entrypoint_label_selector=submit.driver_placement(target),
             )
             return
         spec = JobSpec.model_validate(

@@ -214,6 +214,26 @@ class ShardedCheckpointer:
         return bool(flag.item())
 
     # -- load
+    def load_newest(self, steps: list[int], template: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+        """Load the newest of `steps` (committed checkpoints, any order) that can be read, into a fresh
+        `template()` each try: when one cannot be read (its objects unreachable, or damaged), fall back to the
+        one before it, with a log line. Every rank must pass the same steps: each load is collective, and DCP
+        fails it on every rank alike. Raises the last error when none can be read."""
+        newest_first = sorted(steps, reverse=True)
+        for index, step in enumerate(newest_first):
+            try:
+                return step, self.load(step, template())
+            except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+                if index + 1 == len(newest_first):
+                    raise
+                log.warning(
+                    "restore: checkpoint at step %d cannot be read (%s); falling back to the one before it, step %d",
+                    step,
+                    _describe_failure(err),
+                    newest_first[index + 1],
+                )
+        raise ValueError("load_newest needs at least one step")
+
     def load(self, step: int, state: dict[str, Any]) -> dict[str, Any]:
         """Fill `state` (a template with the tensors to load) from checkpoint `step`; reshards as needed."""
         reader = storage_reader(

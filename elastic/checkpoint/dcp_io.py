@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+import logging
 import os
 import pickle
 import threading
+import time
 import warnings
 from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +39,8 @@ from torch.serialization import get_crc32_options, set_crc32_options
 
 from elastic.checkpoint.store import DCP_METADATA, file_ends
 
+log = logging.getLogger(__name__)
+
 # torch.distributed.checkpoint._fsspec_filesystem is private: torch 2.13 exports neither FileSystem nor
 # FsspecWriter/Reader from torch.distributed.checkpoint (dcp.save(checkpoint_id="s3://...") reaches them, but
 # without storage options or a FileSystem to subclass). See docs/architecture.md, "Private APIs we use".
@@ -44,6 +48,11 @@ from elastic.checkpoint.store import DCP_METADATA, file_ends
 # Files up to this size go up in one PUT straight from the buffer DCP wrote them into; larger ones through
 # s3fs's concurrent multipart upload (its threshold: two 50 MB parts).
 SINGLE_PUT_BYTES = 100 * 2**20
+# Each whole-object PUT and GET is retried this many times in all, on top of the AWS client's own retries of
+# each request (elastic.storage.S3_ATTEMPTS): an outage longer than those costs one file's retry, logged, and
+# not the whole save's or load's. Backoff doubles from OBJECT_BACKOFF_SECONDS, so the total wait is bounded.
+OBJECT_ATTEMPTS = 3
+OBJECT_BACKOFF_SECONDS = 1.0
 
 
 class _UploadOnClose(io.BytesIO):
@@ -119,9 +128,12 @@ class ObjectStoreFileSystem(FileSystem):
 
     def fetch(self, path: str) -> bytes:
         """One whole object, in one request (s3fs splits a large one into concurrent ranged reads)."""
-        return self.fs.cat_file(path)
+        return retrying(f"GET {path}", lambda: self.fs.cat_file(path))
 
     def put(self, path: str, stream: io.BytesIO) -> None:
+        retrying(f"PUT {path}", lambda: self._put_once(path, stream))
+
+    def _put_once(self, path: str, stream: io.BytesIO) -> None:
         """One object from a buffer: on S3 a PUT that reads the buffer in place, through s3fs's own request
         path (its retries and extra arguments such as server-side encryption apply)."""
         size = stream.seek(0, io.SEEK_END)
@@ -181,7 +193,8 @@ class ObjectStoreWriter(FsspecWriter):
         metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
         metadata.storage_meta = self.storage_meta()
         encoded = pickle.dumps(metadata)
-        self.fs.fs.pipe_file(os.fspath(self.fs.concat_path(self.path, DCP_METADATA)), encoded)
+        where = os.fspath(self.fs.concat_path(self.path, DCP_METADATA))
+        retrying(f"PUT {where}", lambda: self.fs.fs.pipe_file(where, encoded))
         self.file_sizes = {**file_ends(metadata.storage_data), DCP_METADATA: len(encoded)}
 
 
@@ -296,6 +309,30 @@ class ObjectStoreReader(FsspecReader):
             dist.broadcast(buffer, src=source, group=self.group)
             if shared_file.name in arrivals:
                 arrivals[shared_file.name].set_result(memoryview(buffer.numpy()))
+
+
+def retrying(what: str, call: Callable[[], Any], attempts: int = OBJECT_ATTEMPTS) -> Any:
+    """`call()`, tried up to `attempts` times with doubling backoff; each failure is logged. A missing object
+    or a refused permission is not transient: raised at once."""
+    for attempt in range(1, attempts):
+        try:
+            return call()
+        except (FileNotFoundError, PermissionError):
+            raise
+        except Exception as err:  # s3fs, botocore and aiohttp raise many types for one transient fault
+            delay = OBJECT_BACKOFF_SECONDS * 2 ** (attempt - 1)
+            first_line = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+            log.warning(
+                "%s failed (%s: %s); retry %d of %d in %.1f s",
+                what,
+                type(err).__name__,
+                first_line,
+                attempt,
+                attempts - 1,
+                delay,
+            )
+            time.sleep(delay)
+    return call()
 
 
 def _is_s3(fs) -> bool:

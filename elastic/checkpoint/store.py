@@ -22,7 +22,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic.config.spec import JobSpec
 from elastic.storage import fsspec_filesystem, fsspec_options, parse_uri
+
+
+def run_directory(spec: JobSpec, run_name: str) -> str:
+    """URI of a run's folder, <checkpoint.uri>/<run name>: where Ray Train keeps the run (its storage_path is
+    checkpoint.uri and its run name the folder's) and where every rank and the driver find its checkpoints."""
+    return parse_uri(spec.checkpoint.uri).child(run_name).uri
+
 
 MARKER = "COMMITTED.json"
 DCP_METADATA = ".metadata"
@@ -148,6 +156,17 @@ class CheckpointStore:
             files=files,
             reason=manifest.get("reason"),
         )
+
+    def restorable_steps(self) -> list[int]:
+        """The committed steps, oldest first, for a restore, which tries the newest first. Torn saves newer
+        than the latest commit (a crash mid-upload) are deleted on the way: the next save of the same step
+        would otherwise reuse their folder, stale shards included."""
+        folders = self.live_folders()
+        committed = sorted(step for step, names in folders.items() if MARKER in names)
+        for step, names in sorted(folders.items()):
+            if MARKER not in names and (not committed or step > committed[-1]):
+                self.delete(step)
+        return committed
 
     def latest_committed(self) -> CheckpointInfo | None:
         committed = [step for step, names in self.live_folders().items() if MARKER in names]

@@ -5,11 +5,15 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import asdict
 
 import click
 from rich.table import Table
 
-from elastic.cli.common import console, print_json
+from elastic.cli.common import console
+from elastic.cli.remote import finish, remote_options, run_remotely
+from elastic.driver.remote import remote_address
 from elastic.errors import UserError
 
 
@@ -58,22 +62,27 @@ def _show_bench(title: str, result: dict, ratios: dict[str, float]) -> None:
     help="Timed repeats; ratios are the median of each repeat's paired ratio.",
 )
 @click.option("--json", "as_json", is_flag=True)
-def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, repeats: int, as_json: bool) -> None:
-    """Sharded async save and load against raw parallel multipart put/get of the same bytes.
+@remote_options
+def bench_checkpoint_cmd(
+    uri: str | None, size_mb: float, workers: int, repeats: int, as_json: bool, address: str | None, detach: bool
+) -> None:
+    """Sharded async save and load against raw parallel multipart put/get of the same bytes, with torch's own
+    path (DCP's FsspecWriter/FsspecReader and dcp.async_save) measured beside ours in the same run (torch_*).
 
     \b
     Example:
       elastic bench checkpoint --size-mb 256 --workers 2 --json
     """
-    from elastic.bench import harness as bench
 
-    result = bench.to_json(
-        bench.bench_checkpoint(_bench_target(uri, "bench"), size_mb=size_mb, workers=workers, repeats=repeats)
-    )
-    if as_json:
-        print_json(result)
-    else:
+    def measure() -> dict:
+        from elastic.bench.checkpointing import bench_checkpoint
+
+        return asdict(bench_checkpoint(_bench_target(uri, "bench"), size_mb=size_mb, workers=workers, repeats=repeats))
+
+    def show(result: dict) -> None:
         _show_bench("checkpoint", result, {"throughput_ratio": 0.9, "load_ratio": 0.9, "stall_ratio": 0.02})
+
+    _run_bench("checkpoint", address, detach, as_json, measure, show)
 
 
 @bench_group.command("overhead")
@@ -96,8 +105,17 @@ def bench_checkpoint_cmd(uri: str | None, size_mb: float, workers: int, repeats:
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(8), help="MLP width (model size).")
 @click.option("--batch", default=256, show_default=True, type=click.IntRange(1), help="Batch per worker.")
 @click.option("--json", "as_json", is_flag=True)
+@remote_options
 def bench_overhead_cmd(
-    uri: str | None, workers: int, rounds: int, steps: int, width: int, batch: int, as_json: bool
+    uri: str | None,
+    workers: int,
+    rounds: int,
+    steps: int,
+    width: int,
+    batch: int,
+    as_json: bool,
+    address: str | None,
+    detach: bool,
 ) -> None:
     """Harness step time against a bare Ray Train DDP loop: checkpoints off, and async every 20 steps.
 
@@ -105,16 +123,30 @@ def bench_overhead_cmd(
     Example:
       elastic bench overhead --json
     """
-    from elastic.bench import harness as bench
 
-    target = _bench_target(uri, "bench")
-    result = bench.to_json(
-        bench.bench_overhead(target, workers=workers, rounds=rounds, steps=steps, width=width, batch=batch)
-    )
-    if as_json:
-        print_json(result)
-    else:
+    def measure() -> dict:
+        from elastic.bench.overhead import bench_overhead
+
+        target = _bench_target(uri, "bench")
+        return asdict(bench_overhead(target, workers=workers, rounds=rounds, steps=steps, width=width, batch=batch))
+
+    def show(result: dict) -> None:
         _show_bench("overhead", result, {"overhead_ratio": 1.02, "ckpt_overhead_ratio": 1.05})
+
+    _run_bench("overhead", address, detach, as_json, measure, show)
+
+
+def _run_bench(
+    name: str, address: str | None, detach: bool, as_json: bool, measure: Callable[[], dict], show: Callable
+) -> None:
+    """Measure here, or, given a job API address, run this benchmark there as a Ray job; show it either way."""
+    if address := remote_address(address):
+        result = run_remotely(address, f"bench {name}", as_json, detach)
+        if result is None:
+            return
+    else:
+        result = measure()
+    finish(result, as_json, show)
 
 
 @bench_group.command("packing")
@@ -159,6 +191,7 @@ def bench_overhead_cmd(
 )
 @click.option("--uri", help="Storage root (default: the local stack's s3://BUCKET/bench).")
 @click.option("--json", "as_json", is_flag=True)
+@remote_options
 def bench_packing_cmd(
     share: float,
     trials: int | None,
@@ -172,6 +205,8 @@ def bench_packing_cmd(
     gpu_memory_gb: float | None,
     uri: str | None,
     as_json: bool,
+    address: str | None,
+    detach: bool,
 ) -> None:
     """GPU sharing: concurrency reached against requested, and Tune's scheduling overhead (logical GPUs work);
     with --compare, trials per hour and GPU utilization of `auto` against whole-GPU trials (real GPUs).
@@ -181,22 +216,26 @@ def bench_packing_cmd(
       elastic local up --spot 2 --on-demand 1 --gpus-per-node 2 --cpus-per-node 2
       elastic bench packing --share 0.25 --json
     """
-    from elastic.bench import packing as bench_packing
-    from elastic.sweep import runner as sweeps
 
-    target = _bench_target(uri, "bench")
-    sweeps.connect()
-    say = lambda m: click.echo(f"[bench] {m}", err=True)
-    with contextlib.redirect_stdout(sys.stderr):  # Tune prints its own banners
-        if compare:
-            result = bench_packing.bench_compare(target, trials or 8, steps, width, batch, gpu_memory_gb, say)
-        else:
-            result = bench_packing.bench_concurrency(target, share, trials, hold_s, cpus, say, market)
-        sweeps.disconnect()
-    if as_json:
-        print_json(result)
-    else:
+    def measure() -> dict:
+        from elastic.bench import packing as bench_packing
+        from elastic.sweep import runner as sweeps
+
+        target = _bench_target(uri, "bench")
+        sweeps.connect()
+        say = lambda m: click.echo(f"[bench] {m}", err=True)
+        with contextlib.redirect_stdout(sys.stderr):  # Tune prints its own banners
+            if compare:
+                result = bench_packing.bench_compare(target, trials or 8, steps, width, batch, gpu_memory_gb, say)
+            else:
+                result = bench_packing.bench_concurrency(target, share, trials, hold_s, cpus, say, market)
+            sweeps.disconnect()
+        return result
+
+    def show(result: dict) -> None:
         _show_bench("packing", {k: json.dumps(v) if isinstance(v, dict) else v for k, v in result.items()}, {})
+
+    _run_bench("packing", address, detach, as_json, measure, show)
 
 
 @bench_group.command("recovery")
@@ -211,7 +250,10 @@ def bench_packing_cmd(
     help="... with a noticed reclaim every this many seconds.",
 )
 @click.option("--json", "as_json", is_flag=True)
-def bench_recovery_cmd(notice: float, workers: int, minutes: float | None, every: float, as_json: bool) -> None:
+@remote_options
+def bench_recovery_cmd(
+    notice: float, workers: int, minutes: float | None, every: float, as_json: bool, address: str | None, detach: bool
+) -> None:
     """What a spot reclaim costs on the local cluster, ours against Ray Train's own restart of a bare loop:
     steps lost with and without notice, seconds from node death to the first resumed step, and goodput.
 
@@ -221,19 +263,20 @@ def bench_recovery_cmd(notice: float, workers: int, minutes: float | None, every
       elastic bench recovery --json
       elastic bench recovery --minutes 10 --every 120 --json
     """
-    import dataclasses
 
-    from elastic.bench import recovery as bench_recovery
+    def measure() -> dict:
+        from elastic.bench import recovery as bench_recovery
 
-    log = (lambda line: click.echo(line, err=True)) if as_json else click.echo
-    result = dataclasses.asdict(
-        bench_recovery.bench_recovery(notice=notice, workers=workers, minutes=minutes, every=every, log=log)
-    )
-    if as_json:
-        print_json(result)
-    else:
+        log = (lambda line: click.echo(line, err=True)) if as_json else click.echo
+        return asdict(
+            bench_recovery.bench_recovery(notice=notice, workers=workers, minutes=minutes, every=every, log=log)
+        )
+
+    def show(result: dict) -> None:
         targets = {"recovery_ratio": 1.1}
         _show_bench("recovery", result, targets)
         console.print(f"lost_steps_notice = {result['lost_steps_notice']} (target 0)")
         if result["goodput"] is not None:
             console.print(f"goodput = {result['goodput']} (target >= 0.9)")
+
+    _run_bench("recovery", address, detach, as_json, measure, show)

@@ -9,11 +9,11 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from elastic.checkpoint.store import CheckpointStore
+from elastic.checkpoint.store import CheckpointStore, run_directory
 from elastic.cli.common import console
 from elastic.config.spec import load_job_spec
 from elastic.driver import submit
-from elastic.driver.runs import read_summary, run_directory
+from elastic.driver.runs import read_summary
 from elastic.errors import JobFailed, UserError
 from elastic.local import stack as local
 

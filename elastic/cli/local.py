@@ -31,17 +31,40 @@ def local_group() -> None:
     type=click.IntRange(0),
     help="Logical GPUs per worker node (GPU-requesting paths run on a CPU-only machine).",
 )
+@click.option(
+    "--s3-faults",
+    is_flag=True,
+    help="Put a fault-injecting proxy in front of the S3 endpoint (steered over HTTP under /_elastic/faults).",
+)
+@click.option("--s3-fault-seed", default=0, show_default=True, type=int, help="Seed of the proxy's fault draws.")
 @click.option("--json", "as_json", is_flag=True, help="Print addresses and nodes as JSON.")
-def local_up(spot: int, on_demand: int, cpus_per_node: int, gpus_per_node: int, as_json: bool) -> None:
+def local_up(
+    spot: int,
+    on_demand: int,
+    cpus_per_node: int,
+    gpus_per_node: int,
+    s3_faults: bool,
+    s3_fault_seed: int,
+    as_json: bool,
+) -> None:
     """Start the local stack (or show it if it is already up).
 
     \b
-    Example:
+    Examples:
       elastic local up --spot 2 --on-demand 1 --json
+      elastic local up --s3-faults
+      curl -X POST "$AWS_ENDPOINT_URL/_elastic/faults/windows" -d '{"kind": "503", "seconds": 10}'
     """
     from elastic.local import stack as local
 
-    state = local.up(spot=spot, on_demand=on_demand, gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node)
+    state = local.up(
+        spot=spot,
+        on_demand=on_demand,
+        gpus_per_node=gpus_per_node,
+        cpus_per_node=cpus_per_node,
+        s3_faults=s3_faults,
+        s3_fault_seed=s3_fault_seed,
+    )
     if as_json:
         print_json(state.summary())
     else:
@@ -97,6 +120,8 @@ def local_env(as_json: bool) -> None:
 def _show_stack(info: dict) -> None:
     console.print(f"Ray:        {info['ray_address']}   job API: {info['dashboard_url']}")
     console.print(f"S3:         {info['s3_endpoint']}   bucket: {info['bucket']}")
+    if info.get("s3_upstream"):
+        console.print(f"S3 faults:  {info['s3_endpoint']}/_elastic/faults   in front of {info['s3_upstream']}")
     table = Table("node", "market", "role", "cpus", "gpus", "node id")
     for node in info["nodes"]:
         table.add_row(

@@ -35,8 +35,10 @@ def spec_check(job_file: Path, overrides: tuple[str, ...], working_dir: Path | N
     and print it with defaults filled in (values of credential-like env_vars shown as <redacted>)."""
     from elastic.config.entrypoint import check_entrypoint
     from elastic.config.spec import load_job_spec
+    from elastic.storage import require_filesystem
 
     spec = load_job_spec(job_file, overrides)
+    require_filesystem(spec.checkpoint.uri)
     check_entrypoint(spec, (working_dir or Path.cwd()).resolve(), str(job_file))
     print_json(spec.redacted())
 

@@ -11,7 +11,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from elastic.cli.common import console, print_json
+from elastic.cli.common import console
+from elastic.cli.remote import finish, remote_options, run_remotely
+from elastic.driver.remote import remote_address
 
 
 @click.command("sweep")
@@ -29,7 +31,10 @@ from elastic.cli.common import console, print_json
     help="Require an existing sweep to restore (running it again restores one anyway when there is one).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print trials, best_config, plan as JSON (progress on stderr).")
-def sweep_cmd(sweep_file: Path, overrides: tuple[str, ...], resume: bool, as_json: bool) -> None:
+@remote_options
+def sweep_cmd(
+    sweep_file: Path, overrides: tuple[str, ...], resume: bool, as_json: bool, address: str | None, detach: bool
+) -> None:
     """Run a hyperparameter sweep whose trials share GPUs (Ray Tune over Ray Train V2).
 
     Each trial runs the sweep's job under its own run name; running the same sweep again restores the
@@ -39,20 +44,25 @@ def sweep_cmd(sweep_file: Path, overrides: tuple[str, ...], resume: bool, as_jso
     Example:
       elastic local up --spot 2 --on-demand 1 --gpus-per-node 2 --cpus-per-node 2
       elastic sweep jobs/digits_sweep.yaml
+      elastic sweep jobs/digits_sweep.yaml --address http://127.0.0.1:8265   # its driver runs as a Ray job
     """
     from elastic.config.sweep_spec import load_sweep_spec
-    from elastic.sweep import runner as sweeps
 
-    spec, job = load_sweep_spec(sweep_file, overrides)
-    sweeps.connect(job)
-    say = (lambda m: click.echo(f"[sweep] {m}", err=True)) if as_json else (lambda m: click.echo(f"[sweep] {m}"))
-    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():  # Tune prints too
-        result = sweeps.run_sweep(spec, job, resume=resume, say=say)
-    sweeps.disconnect()  # before printing: Ray's background threads print warnings to stdout until then
-    if as_json:
-        print_json(result)
+    spec, job = load_sweep_spec(sweep_file, overrides)  # bad input: one line here, before anything is submitted
+    if address := remote_address(address):
+        # One driver per sweep: run again (e.g. after the laptop disconnected), it follows the running one.
+        result = run_remotely(address, f"sweep {spec.name}", as_json, detach, attach_running=True)
+        if result is None:
+            return
     else:
-        _show_sweep(result)
+        from elastic.sweep import runner as sweeps  # Ray Tune: only where the sweep runs
+
+        sweeps.connect(job)
+        say = (lambda m: click.echo(f"[sweep] {m}", err=True)) if as_json else (lambda m: click.echo(f"[sweep] {m}"))
+        with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():  # Tune prints too
+            result = sweeps.run_sweep(spec, job, resume=resume, say=say)
+        sweeps.disconnect()  # before printing: Ray's background threads print warnings to stdout until then
+    finish(result, as_json, _show_sweep)
     if result["errors"]:
         sys.exit(1)
 

@@ -9,7 +9,9 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from elastic.cli.common import console, print_json
+from elastic.cli.common import console
+from elastic.cli.remote import finish, remote_options, run_remotely
+from elastic.driver.remote import remote_address
 from elastic.errors import UserError
 
 
@@ -34,17 +36,18 @@ from elastic.errors import UserError
     "workers_text",
     help="Worker count, or counts the interrupted run moves through, e.g. 2 or 2,1,2 (default: the job's workers.min).",
 )
-@click.option("--address", help="Ray job API (default: the local stack).")
 @click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE", help="Override a spec field.")
 @click.option("--json", "as_json", is_flag=True)
+@remote_options
 def verify_resume_cmd(
     job_file: Path,
     kills: int,
     notices: int,
     workers_text: str | None,
-    address: str | None,
     overrides: tuple[str, ...],
     as_json: bool,
+    address: str | None,
+    detach: bool,
 ) -> None:
     """Run a job uninterrupted and again with worker kills, and prove the resumed run is equivalent.
 
@@ -56,6 +59,7 @@ def verify_resume_cmd(
       elastic verify-resume jobs/digits_ddp.yaml --kills 3 --json
       elastic verify-resume jobs/digits_ddp.yaml --kills 3 --workers 2,1,2
       elastic verify-resume jobs/charlm.yaml --kills 2 --notices 1
+      elastic verify-resume jobs/digits_ddp.yaml --address http://127.0.0.1:8265   # runs as a Ray job there
     """
     from elastic.config.spec import load_job_spec
     from elastic.diagnostics import verify
@@ -63,21 +67,23 @@ def verify_resume_cmd(
 
     spec = load_job_spec(job_file, overrides)
     workers = _worker_counts(workers_text, spec.workers.min)
-    target = submit.resolve_target(address)
-    verify.storage_environment(target)
     stamp = time.strftime("%m%d%H%M%S")
-    log_path = verify.default_log_path(stamp)
-    with open(log_path, "w") as log:
-        verifier = verify.Verifier(
-            spec, target, Path.cwd(), log, progress=lambda m: click.echo(m, err=True), stamp=stamp
-        )
-        click.echo(f"verify-resume: job logs in {log_path}", err=True)
-        report = verifier.run(kills, workers, notices)
-    if as_json:
-        print_json(report.to_json())
+    if address := remote_address(address):
+        result = run_remotely(address, f"verify-resume {spec.name} {stamp}", as_json, detach)
+        if result is None:
+            return
     else:
-        _show_verify(report)
-    if not report.passed:
+        target = submit.resolve_target(None)
+        verify.storage_environment(target)
+        log_path = verify.default_log_path(stamp)
+        with open(log_path, "w") as log:
+            verifier = verify.Verifier(
+                spec, target, Path.cwd(), log, progress=lambda m: click.echo(m, err=True), stamp=stamp
+            )
+            click.echo(f"verify-resume: job logs in {log_path}", err=True)
+            result = verifier.run(kills, workers, notices).to_json()
+    finish(result, as_json, _show_verify)
+    if not result["passed"]:
         sys.exit(1)
 
 
@@ -93,31 +99,34 @@ def _worker_counts(text: str | None, default: int) -> list[int]:
     return counts
 
 
-def _show_verify(report) -> None:
-    verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
-    console.print(f"verify-resume {verdict}: {report.criteria}")
+def _show_verify(report: dict) -> None:
+    """The report (VerifyReport.to_json(), here or read back from a remote run) as a table and summary lines."""
+    base, hit = report["baseline"], report["interrupted"]
+    verdict = "[green]PASSED[/]" if report["passed"] else "[red]FAILED[/]"
+    console.print(f"verify-resume {verdict}: {report['criteria']}")
     table = Table("", "uninterrupted", "with kills")
     for column in table.columns:
         column.overflow = "fold"
-    table.add_row("run", report.baseline.run, report.interrupted.run)
-    table.add_row("workers", str(report.baseline.workers), str(report.interrupted.workers))
-    table.add_row("final step", str(report.baseline.final_step), str(report.interrupted.final_step))
-    table.add_row("restarts", str(report.baseline.restarts), str(report.interrupted.restarts))
-    table.add_row(
-        "every sample once", str(report.baseline.samples_exactly_once), str(report.interrupted.samples_exactly_once)
-    )
-    table.add_row("seconds", str(report.baseline.seconds), str(report.interrupted.seconds))
+    for label, key in (
+        ("run", "run"),
+        ("workers", "workers"),
+        ("final step", "final_step"),
+        ("restarts", "restarts"),
+        ("every sample once", "samples_exactly_once"),
+        ("seconds", "seconds"),
+    ):
+        table.add_row(label, str(base[key]), str(hit[key]))
     console.print(table)
-    if report.notices:
+    if report["notices"]:
         console.print(
-            f"reclaim notices: {report.notices_fired}/{report.notices} fired, "
-            f"{report.interrupted.just_in_time_ends} just-in-time end(s)"
+            f"reclaim notices: {report['notices_fired']}/{report['notices']} fired, "
+            f"{hit['just_in_time_ends']} just-in-time end(s)"
         )
     console.print(
-        f"kills: {report.kills_fired}/{report.kills} fired ({', '.join(report.interrupted.kill_plan)}); "
-        f"identical: {report.identical}; max |diff|: {report.max_abs_diff:.3g} over "
-        f"{report.tensors_compared} tensors; loss gap {report.max_epoch_loss_diff:.3g} "
-        f"({report.loss_tolerance})"
+        f"kills: {report['kills_fired']}/{report['kills']} fired ({', '.join(hit['kill_plan'])}); "
+        f"identical: {report['identical']}; max |diff|: {report['max_abs_diff']:.3g} over "
+        f"{report['tensors_compared']} tensors; loss gap {report['max_epoch_loss_diff']:.3g} "
+        f"({report['loss_tolerance']})"
     )
-    for problem in report.problems:
+    for problem in report["problems"]:
         console.print(f"[red]problem:[/] {problem}")

@@ -29,6 +29,14 @@ from elastic.errors import UserError
     help="Drain deadline = the cloud's deadline minus this.",
 )
 @click.option("--once", is_flag=True, help="Poll once, act on what it shows, and exit (1 if the service is down).")
+@click.option(
+    "--drain-now",
+    "drain_now_seconds",
+    type=float,
+    metavar="SECONDS",
+    help="The node is shutting down now (a Kubernetes preStop hook, a VM's shutdown unit): drain it with a "
+    "deadline SECONDS - margin from now, hold until then or until Ray ends the node, and exit. Reads no metadata.",
+)
 def watch_preemption_cmd(
     provider: str,
     metadata_url: str | None,
@@ -37,6 +45,7 @@ def watch_preemption_cmd(
     poll_seconds: float,
     margin_seconds: float,
     once: bool,
+    drain_now_seconds: float | None,
 ) -> None:
     """Turn this node's spot reclaim notice into a Ray drain (reason PREEMPTION), once per reclaim.
 
@@ -46,11 +55,12 @@ def watch_preemption_cmd(
 
     \b
     Example:
-      nohup elastic watch-preemption --provider aws >/tmp/ray/elastic-watch-preemption.log 2>&1 &
+      sudo systemd-run --unit elastic-watcher -p Restart=always --uid "$(id -u)" elastic watch-preemption --provider aws
     """
     import re
 
-    from elastic.preemption.watcher import WatchConfig, watch
+    from elastic.preemption.drain import RayDrainer
+    from elastic.preemption.watcher import WatchConfig, drain_now, watch
 
     if not poll_seconds > 0:
         raise UserError(f"--poll-seconds must be > 0, got {poll_seconds:g}")
@@ -60,5 +70,11 @@ def watch_preemption_cmd(
         raise UserError(f"--node-id must be a Ray node id (56 hex digits, as `ray list nodes` shows), got {node_id!r}")
     if metadata_url is not None and not re.match(r"https?://[^/]+", metadata_url):
         raise UserError(f"--metadata-url must be an http:// URL, got {metadata_url!r}")
+    if drain_now_seconds is not None:
+        if not drain_now_seconds > margin_seconds:
+            raise UserError(
+                f"--drain-now must be more than --margin-seconds ({margin_seconds:g}), got {drain_now_seconds:g}"
+            )
+        sys.exit(drain_now(RayDrainer(address=address, node_id=node_id), drain_now_seconds, margin_seconds))
     config = WatchConfig(poll_seconds=poll_seconds, margin_seconds=margin_seconds)
     sys.exit(watch(provider, metadata_url, address=address, node_id=node_id, config=config, once=once))

@@ -3,11 +3,13 @@ periods that outlive the drain deadline, autoscaling, and the labels jobs select
 
 from __future__ import annotations
 
+import re
+
 import jsonschema
 
-from elastic.clusterconfig.kuberay_schema import RAYCLUSTER_SCHEMA
-from elastic.clusterconfig.problems import Problem, key_path, one_line
-from elastic.clusterconfig.rules import STORAGE_ENV, WATCHER, WATCHER_COMMAND, check_labels, storage_problem
+from elastic.clusterconfig.crd_schema import kuberay_release, raycluster_schema
+from elastic.clusterconfig.problems import Problem, key_path, one_line, suggest
+from elastic.clusterconfig.rules import STORAGE_ENV, WATCHER, check_labels, storage_problem
 from elastic.placement.labels import MARKET_LABEL, MARKETS, ROLE_LABEL, WORKER_ROLE
 
 # The longest spot notice among the clouds (AWS: 2 minutes); Ray drains a node within it. Pods of a KubeRay
@@ -28,15 +30,25 @@ K8S_SPOT_SELECTORS = {
 
 
 def check_kuberay(manifest: dict) -> list[Problem]:
-    validator = jsonschema.Draft7Validator(RAYCLUSTER_SCHEMA)
-    errors = sorted(validator.iter_errors(manifest), key=lambda e: list(map(str, e.absolute_path)))
-    if errors:
-        return [
-            Problem(key_path(e.absolute_path) or "(top level)", f"{one_line(e.message)} (RayCluster schema)")
-            for e in errors
-        ]
+    problems = crd_problems(manifest)
+    if problems:  # our checks assume the shape the CRD guarantees
+        return problems
+    groups = [("spec.headGroupSpec", manifest["spec"]["headGroupSpec"])] + [
+        (f"spec.workerGroupSpecs[{i}]", g) for i, g in enumerate(manifest["spec"].get("workerGroupSpecs") or [])
+    ]
+    empty = [key for key, group in groups if not group["template"]["spec"].get("containers")]
+    if empty:  # the API server would refuse the pods; the rules below read the Ray container
+        return [Problem(f"{key}.template.spec.containers", "no containers; the first one runs Ray") for key in empty]
     spec = manifest["spec"]
-    problems: list[Problem] = []
+    kuberay_token_auth = (spec.get("authOptions") or {}).get("mode") == "token"
+    if "authOptions" in spec and not kuberay_token_auth:
+        problems.append(
+            Problem(
+                "spec.authOptions.mode",
+                f"{(spec['authOptions'] or {}).get('mode') or '(unset)'}: KubeRay turns token authentication on "
+                "only with mode: token; set authOptions: {mode: token, secretName: SECRET}",
+            )
+        )
     if spec.get("enableInTreeAutoscaling") is not True:
         problems.append(
             Problem(
@@ -44,8 +56,18 @@ def check_kuberay(manifest: dict) -> list[Problem]:
                 "autoscaling is off: reclaimed spot pods are not replaced; set enableInTreeAutoscaling: true",
             )
         )
+    mode = (spec.get("autoscalerOptions") or {}).get("upscalingMode", "Default")
+    if spec.get("enableInTreeAutoscaling") is True and mode != "Conservative":
+        problems.append(
+            Problem(
+                "spec.autoscalerOptions.upscalingMode",
+                f"{mode} scales up without a rate limit (Ray's upscaling_speed 1000): a burst of spot requests "
+                "that a short pool refuses together; set upscalingMode: Conservative",
+            )
+        )
     head = spec["headGroupSpec"]
-    problems += _check_k8s_group("spec.headGroupSpec", head, is_head=True)
+    problems += _check_k8s_group("spec.headGroupSpec", head, True, kuberay_token_auth)
+    problems += _check_head_placement_and_account(spec)
     if head.get("serviceType") in ("NodePort", "LoadBalancer") or head.get("enableIngress") is True:
         what = "enableIngress: true" if head.get("enableIngress") is True else f"serviceType: {head['serviceType']}"
         problems.append(
@@ -68,7 +90,7 @@ def check_kuberay(manifest: dict) -> list[Problem]:
     spot, on_demand = [], []
     for i, group in enumerate(spec.get("workerGroupSpecs") or []):
         key = f"spec.workerGroupSpecs[{i}]"
-        problems += _check_k8s_group(key, group, is_head=False)
+        problems += _check_k8s_group(key, group, False, kuberay_token_auth)
         selected = _k8s_market(group)
         if (group.get("labels") or {}).get(ROLE_LABEL) == WORKER_ROLE and _k8s_gpus(group) > 0:
             (spot if selected == "spot" else on_demand).append(group["groupName"])
@@ -108,7 +130,26 @@ def check_kuberay(manifest: dict) -> list[Problem]:
     return problems
 
 
-def _check_k8s_group(key: str, group: dict, is_head: bool) -> list[Problem]:
+def crd_problems(manifest: dict) -> list[Problem]:
+    """KubeRay's own CRD schema (crd_schema.py): one problem per violation, unknown fields with a suggestion."""
+    validator = jsonschema.Draft7Validator(raycluster_schema())
+    errors = sorted(validator.iter_errors(manifest), key=lambda e: list(map(str, e.absolute_path)))
+    where = f"(KubeRay {kuberay_release()} RayCluster CRD)"
+    problems = []
+    for error in errors:
+        message = one_line(error.message)
+        if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+            known = error.schema.get("properties") or {}
+            unknown = [name for name in error.instance if name not in known]
+            hint = suggest(unknown[0], known).strip() if unknown else ""
+            message += f" {where}{'; ' + hint.strip('()') if hint else ''}"
+        else:
+            message += f" {where}"
+        problems.append(Problem(key_path(error.absolute_path) or "(top level)", message))
+    return problems
+
+
+def _check_k8s_group(key: str, group: dict, is_head: bool, kuberay_token_auth: bool) -> list[Problem]:
     problems = []
     params = group.get("rayStartParams") or {}
     if "labels" in params:
@@ -153,12 +194,13 @@ def _check_k8s_group(key: str, group: dict, is_head: bool) -> list[Problem]:
             )
         )
     ray_env = {env["name"] for env in group["template"]["spec"]["containers"][0].get("env") or []}
-    if "RAY_AUTH_MODE" not in ray_env:
+    if "RAY_AUTH_MODE" not in ray_env and not kuberay_token_auth:  # KubeRay sets it in the Ray container
         problems.append(
             Problem(
                 f"{key}.template.spec.containers[0].env",
-                "Ray token authentication is off in this group; set RAY_AUTH_MODE=token and "
-                "RAY_AUTH_TOKEN from a Secret in the Ray container",
+                "Ray token authentication is off in this group; set spec.authOptions: {mode: token, "
+                "secretName: SECRET} (KubeRay >= 1.5), or RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from a Secret "
+                "in the Ray container",
             )
         )
     for c, container in enumerate(group["template"]["spec"]["containers"]):
@@ -177,6 +219,52 @@ def _check_k8s_group(key: str, group: dict, is_head: bool) -> list[Problem]:
     return problems
 
 
+def _check_head_placement_and_account(spec: dict) -> list[Problem]:
+    problems = []
+    pod = spec["headGroupSpec"]["template"]["spec"]
+    if not _avoids_spot(pod):
+        problems.append(
+            Problem(
+                "spec.headGroupSpec.template.spec.affinity",
+                "nothing keeps the head off spot nodes of a pool created without the spot taint; add a required "
+                "nodeAffinity with {key: cloud.google.com/gke-spot, operator: NotIn, values: ['true']} (or your "
+                "platform's spot label)",
+            )
+        )
+    head_account = pod.get("serviceAccountName") or "(the cluster's name)"
+    for i, group in enumerate(spec.get("workerGroupSpecs") or []):
+        if spec.get("enableInTreeAutoscaling") is True and group["template"]["spec"].get("serviceAccountName") == (
+            pod.get("serviceAccountName") or spec.get("metadata", {}).get("name")
+        ):
+            problems.append(
+                Problem(
+                    f"spec.workerGroupSpecs[{i}].template.spec.serviceAccountName",
+                    f"shares the head's service account {head_account}, to which KubeRay binds the autoscaler's "
+                    "Role (patch pods and the RayCluster): every worker pod would hold it; give the head its own",
+                )
+            )
+    return problems
+
+
+def _avoids_spot(pod: dict) -> bool:
+    """A required node affinity that excludes a spot label (NotIn its spot value, or DoesNotExist)."""
+    required = ((pod.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    terms = required.get("nodeSelectorTerms") or []
+    return bool(terms) and all(
+        any(
+            e.get("key") in K8S_SPOT_SELECTORS
+            and (
+                e.get("operator") == "DoesNotExist"
+                or (e.get("operator") == "NotIn" and K8S_SPOT_SELECTORS[e["key"]] in (e.get("values") or []))
+            )
+            for e in term.get("matchExpressions") or []
+        )
+        for term in terms
+    )
+
+
 def _check_k8s_spot_group(key: str, group: dict) -> list[Problem]:
     problems = []
     pod = group["template"]["spec"]
@@ -192,15 +280,27 @@ def _check_k8s_spot_group(key: str, group: dict) -> list[Problem]:
                 "effect: NoSchedule}",
             )
         )
-    if not any(
-        WATCHER.search(" ".join(c.get("command", []) + c.get("args", [])))
-        for c in pod["containers"] + pod.get("initContainers", [])
-    ):
+    ray = pod["containers"][0]
+    hook = " ".join(((((ray.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")) or [])
+    drain = re.search(r"--drain-now[= ]+(\d+(\.\d+)?)", hook) if WATCHER.search(hook) else None
+    watcher_container = any(
+        WATCHER.search(" ".join(c.get("command", []) + c.get("args", []))) for c in pod["containers"][1:]
+    )
+    if drain is None and not watcher_container:
         problems.append(
             Problem(
-                f"{key}.template.spec.containers",
-                "spot pods do not start the preemption watcher; add a sidecar container running "
-                f"`{WATCHER_COMMAND} --provider auto`",
+                f"{key}.template.spec.containers[0].lifecycle",
+                "spot pods never drain their Ray node before they stop; add lifecycle: {preStop: {exec: {command: "
+                "[elastic, watch-preemption, --drain-now, '13']}}} to the Ray container",
+            )
+        )
+    grace = pod.get("terminationGracePeriodSeconds", 30)
+    if drain is not None and float(drain.group(1)) >= grace:
+        problems.append(
+            Problem(
+                f"{key}.template.spec.containers[0].lifecycle.preStop",
+                f"--drain-now {drain.group(1)} holds the pod past its terminationGracePeriodSeconds ({grace}): "
+                "the kubelet kills it before the drain's deadline; lower --drain-now or raise the grace period",
             )
         )
     return problems

@@ -1,6 +1,7 @@
 """Our rules for `ray up` cluster configs (AWS, GCP): what this project relies on and Ray does not check (spot and
 on-demand worker types labeled as jobs select them, an on-demand head that offers nothing to training, the
-preemption watcher on spot types, token auth, closed ports, checkpoints in an object store, cloud spot fields)."""
+supervised preemption watcher on spot types, token auth, closed ports, checkpoints in an object store, elastic
+installed from a shipped checkout or a pinned release). The cloud fields of node configs: cloud_fields.py."""
 
 from __future__ import annotations
 
@@ -9,25 +10,24 @@ from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from elastic.clusterconfig.cloud_fields import (
+    check_aws_ingress,
+    check_cloud_node_config,
+    gpus,
+    market_of,
+    market_source,
+    spot_hint,
+)
 from elastic.clusterconfig.problems import Problem, env_assignments, suggest
 from elastic.placement.labels import HEAD_ROLE, MARKET_LABEL, MARKETS, ROLE_LABEL, WORKER_ROLE
 
 WATCHER_COMMAND = "elastic watch-preemption"
 REMOTE_SCHEMES = ("s3", "s3a", "gs", "gcs", "abfs", "abfss", "az")
-AWS_MARKET_TYPES = ("spot", "capacity-block")
-AWS_SPOT_OPTIONS = (
-    "MaxPrice",
-    "SpotInstanceType",
-    "BlockDurationMinutes",
-    "ValidUntil",
-    "InstanceInterruptionBehavior",
-)
-GCP_PROVISIONING_MODELS = ("SPOT", "STANDARD")
-GCP_TERMINATION_ACTIONS = ("STOP", "DELETE")
-_WORLD = ("0.0.0.0/0", "::/0")
 STORAGE_ENV = re.compile(r"^(ELASTIC_[A-Z0-9_]*URI|[A-Z0-9_]*CHECKPOINT[A-Z0-9_]*(URI|PATH|DIR))$")
 _BACKGROUND = re.compile(r"(?<![&<>])&(?![&>])")
 WATCHER = re.compile(r"elastic\s+watch-preemption(?P<args>[^;&|\n]*)")
+_PIP_INSTALL = re.compile(r"\bpip3?\s+install\b(?P<args>[^;&|\n]*)")
+_HOME = re.compile(r"^(\$HOME|\$\{HOME\})(?=/|$)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -44,8 +44,8 @@ def check_ray_up(config: dict, cloud: str) -> list[Problem]:
     for name, node_type in types.items():
         base = f"available_node_types.{name}"
         node_config = node_type.get("node_config") or {}
-        problems += _check_cloud_node_config(cloud, base, node_config)
-        cloud_market = _cloud_market(cloud, node_config)
+        problems += check_cloud_node_config(cloud, base, node_config)
+        cloud_market = market_of(cloud, node_config)
         labels = node_type.get("labels") or {}
         problems += check_labels(f"{base}.labels", labels, head=name == head)
         label_market = labels.get(MARKET_LABEL)
@@ -53,14 +53,14 @@ def check_ray_up(config: dict, cloud: str) -> list[Problem]:
             problems.append(
                 Problem(
                     f"{base}.labels.{MARKET_LABEL}",
-                    f"labeled '{label_market}' but {_market_source(cloud)} makes it {cloud_market}; "
+                    f"labeled '{label_market}' but {market_source(cloud)} makes it {cloud_market}; "
                     f"label it '{cloud_market}' or change the node config",
                 )
             )
         if name == head:
             problems += _check_head(config, base, node_type, cloud_market, cloud)
             continue
-        if _gpus(cloud, node_type) > 0 and labels.get(ROLE_LABEL) == WORKER_ROLE:
+        if gpus(cloud, node_type) > 0 and labels.get(ROLE_LABEL) == WORKER_ROLE:
             (spot_gpu if cloud_market == "spot" else on_demand_gpu).append(name)
         if cloud_market == "spot":
             problems += _check_watcher(commands[name], base, cloud)
@@ -69,7 +69,7 @@ def check_ray_up(config: dict, cloud: str) -> list[Problem]:
         problems.append(
             Problem(
                 "available_node_types",
-                f"no spot GPU worker type; add one with {_spot_hint(cloud)}, GPUs, and labels "
+                f"no spot GPU worker type; add one with {spot_hint(cloud)}, GPUs, and labels "
                 f"{{{MARKET_LABEL}: spot, {ROLE_LABEL}: {WORKER_ROLE}}}",
             )
         )
@@ -85,8 +85,9 @@ def check_ray_up(config: dict, cloud: str) -> list[Problem]:
     problems += _check_dashboard(config)
     problems += _check_storage(commands)
     problems += _check_package_pin(commands)
+    problems += _check_elastic_install(config, commands)
     if cloud == "aws":
-        problems += _check_aws_ingress(config.get("provider") or {})
+        problems += check_aws_ingress(config.get("provider") or {})
     return problems
 
 
@@ -185,15 +186,27 @@ def _check_head(config: dict, base: str, node_type: dict, market: str, cloud: st
     return problems
 
 
+_SUPERVISED_HINT = (
+    'sudo systemd-run --unit=elastic-watcher --collect --uid="$(id -u)" -p Restart=always -p RestartSec=2 '
+    '-p StandardOutput=append:"$(readlink -f /tmp/ray/session_latest)/logs/elastic-watch-preemption.log" '
+    f"/bin/bash -c 'source ~/.elastic-env && exec {WATCHER_COMMAND} --provider CLOUD'"
+)
+
+
 def _check_watcher(commands: list[tuple[str, str]], base: str, cloud: str) -> list[Problem]:
-    started = [(key, cmd, match) for key, cmd in commands for match in [WATCHER.search(cmd)] if match]
+    hint = _SUPERVISED_HINT.replace("CLOUD", cloud)
+    started = [
+        (key, cmd, match)
+        for key, cmd in commands
+        for match in WATCHER.finditer(cmd)
+        if "--drain-now" not in match.group("args")  # a shutdown unit's drain, not the watcher itself
+    ]
     if not started:
         return [
             Problem(
                 base,
-                f"spot nodes of this type do not start the preemption watcher; add "
-                f"`nohup {WATCHER_COMMAND} --provider {cloud} >/tmp/ray/elastic-watcher.log 2>&1 &` "
-                "to worker_start_ray_commands (after `ray start`)",
+                f"spot nodes of this type do not start the preemption watcher; add `{hint}` to "
+                "worker_start_ray_commands (after `ray start`)",
             )
         ]
     problems = []
@@ -207,13 +220,19 @@ def _check_watcher(commands: list[tuple[str, str]], base: str, cloud: str) -> li
                     f"{cloud} cluster; use --provider {cloud}",
                 )
             )
-        if not _BACKGROUND.search(cmd[match.start() :]):
+        # Supervised: a systemd unit that restarts it (nohup in the setup's SSH session is never restarted, and
+        # is killed with the session's scope when the VM shuts down).
+        launcher = cmd[: match.start()]
+        if "systemd-run" not in launcher:
+            why = (
+                "runs in the foreground and would block node setup"
+                if not _BACKGROUND.search(cmd[match.start() :])
+                else "is not supervised: nothing restarts it when it exits"
+            )
+            problems.append(Problem(key, f"the watcher {why}; start it as a systemd unit: `{hint}`"))
+        elif not re.search(r"Restart=(always|on-failure)", launcher):
             problems.append(
-                Problem(
-                    key,
-                    "the watcher runs in the foreground and would block node setup; "
-                    f"start it with `nohup {WATCHER_COMMAND} ... &`",
-                )
+                Problem(key, "the watcher's systemd unit is never restarted; add -p Restart=always -p RestartSec=2")
             )
     return problems
 
@@ -317,6 +336,56 @@ def _check_package_pin(commands: dict[str, list[tuple[str, str]]]) -> list[Probl
     return problems
 
 
+def _check_elastic_install(config: dict, commands: dict[str, list[tuple[str, str]]]) -> list[Problem]:
+    """Every node installs elastic: a published release (pinned, above) or a source tree file_mounts ships."""
+    mounts = {_home_path(str(remote)) for remote in config.get("file_mounts") or {}}
+    problems, seen = [], set()
+    for name, cmds in commands.items():
+        installs_elastic = False
+        for key, cmd in cmds:
+            for match in _PIP_INSTALL.finditer(cmd):
+                for arg in match.group("args").split():
+                    arg = arg.strip("'\"")
+                    if "elastic-train" in arg:
+                        installs_elastic = True
+                    if not re.match(r"^(~|\$HOME|\$\{HOME\}|/)", arg):
+                        continue
+                    tree = _home_path(re.sub(r"\[[^\]]*\]$", "", arg))
+                    installs_elastic = True  # a source tree; whether it reaches the nodes is checked here
+                    if f"{tree}/pyproject.toml" in mounts or (key, tree) in seen:
+                        continue
+                    seen.add((key, tree))
+                    shipped = any(m == tree or m.startswith(tree + "/") for m in mounts)
+                    what = (
+                        f"but file_mounts copy no {tree}/pyproject.toml"
+                        if shipped
+                        else "which no file_mounts entry copies to the nodes"
+                    )
+                    problems.append(
+                        Problem(
+                            key,
+                            f"installs {tree}, {what}; add file_mounts {{'{tree}/pyproject.toml': 'pyproject.toml', "
+                            f"'{tree}/README.md': 'README.md', '{tree}/elastic': 'elastic'}} and run `ray up` from "
+                            "the repository root",
+                        )
+                    )
+        if not installs_elastic:
+            problems.append(
+                Problem(
+                    f"available_node_types.{name}",
+                    "no setup command installs elastic on these nodes; ship this checkout with file_mounts "
+                    '(~/elastic-src/pyproject.toml, README.md, elastic/) and `pip install "$HOME/elastic-src"` in '
+                    "setup_commands",
+                )
+            )
+    return problems
+
+
+def _home_path(path: str) -> str:
+    """$HOME/x and ~/x name the same remote path; trailing slashes do not matter."""
+    return _HOME.sub("~", path.strip()).rstrip("/")
+
+
 def storage_problem(key: str, var: str, value: str) -> list[Problem]:
     scheme = value.split("://", 1)[0].lower() if "://" in value else ""
     if scheme in REMOTE_SCHEMES or value.startswith("$"):
@@ -328,255 +397,3 @@ def storage_problem(key: str, var: str, value: str) -> list[Problem]:
             "checkpoints with it; use an object store URI such as s3://BUCKET/runs or gs://BUCKET/runs",
         )
     ]
-
-
-# AWS ---------------------------------------------------------------------------------------------------
-
-
-def _check_cloud_node_config(cloud: str, base: str, node_config: dict) -> list[Problem]:
-    if cloud == "aws":
-        return _check_aws_node_config(f"{base}.node_config", node_config)
-    if cloud == "gcp":
-        return _check_gcp_node_config(f"{base}.node_config", node_config)
-    return []
-
-
-def _check_aws_node_config(key: str, node_config: dict) -> list[Problem]:
-    problems = []
-    options = node_config.get("InstanceMarketOptions")
-    if options is None:
-        pass
-    elif not isinstance(options, dict):
-        problems.append(Problem(f"{key}.InstanceMarketOptions", "must be a mapping: {MarketType: spot}"))
-    else:
-        for field in options:
-            if field not in ("MarketType", "SpotOptions"):
-                problems.append(
-                    Problem(
-                        f"{key}.InstanceMarketOptions.{field}",
-                        f"unknown field{suggest(field, ('MarketType', 'SpotOptions'))}; "
-                        "InstanceMarketOptions takes MarketType and SpotOptions",
-                    )
-                )
-        market = options.get("MarketType")
-        if market not in AWS_MARKET_TYPES:
-            problems.append(
-                Problem(
-                    f"{key}.InstanceMarketOptions.MarketType",
-                    f"{market!r} is not a market type; use 'spot'"
-                    if market is not None
-                    else "missing; use MarketType: spot",
-                )
-            )
-        spot = options.get("SpotOptions")
-        if spot is not None:
-            problems += _check_spot_options(f"{key}.InstanceMarketOptions.SpotOptions", spot)
-    profile = node_config.get("IamInstanceProfile")
-    if profile is not None and not (isinstance(profile, dict) and ("Arn" in profile or "Name" in profile)):
-        problems.append(Problem(f"{key}.IamInstanceProfile", "must be {Name: PROFILE} or {Arn: ARN}"))
-    return problems
-
-
-def _check_spot_options(key: str, spot: Any) -> list[Problem]:
-    if not isinstance(spot, dict):
-        return [Problem(key, "must be a mapping, e.g. {MaxPrice: '1.20'}")]
-    problems = []
-    for field in spot:
-        if field not in AWS_SPOT_OPTIONS:
-            problems.append(
-                Problem(
-                    f"{key}.{field}",
-                    f"unknown SpotOptions field{suggest(field, AWS_SPOT_OPTIONS)};"
-                    f" valid: {', '.join(AWS_SPOT_OPTIONS)}",
-                )
-            )
-    if "MaxPrice" in spot:
-        price = spot["MaxPrice"]
-        if not isinstance(price, str):
-            problems.append(
-                Problem(
-                    f"{key}.MaxPrice",
-                    f"{price!r} must be a quoted string (EC2 takes the price as text), e.g. MaxPrice: '{price}'",
-                )
-            )
-        elif not re.fullmatch(r"\d+(\.\d+)?", price) or float(price) <= 0:
-            problems.append(
-                Problem(
-                    f"{key}.MaxPrice", f"{price!r} is not a price; use USD per hour as a numeric string such as '1.20'"
-                )
-            )
-    kind = spot.get("SpotInstanceType")
-    if kind is not None and kind != "one-time":
-        problems.append(
-            Problem(
-                f"{key}.SpotInstanceType",
-                f"{kind!r}: Ray's autoscaler replaces reclaimed nodes itself, a persistent request "
-                "would relaunch instances Ray no longer tracks; use 'one-time'",
-            )
-        )
-    behavior = spot.get("InstanceInterruptionBehavior")
-    if behavior is not None and behavior != "terminate":
-        problems.append(
-            Problem(
-                f"{key}.InstanceInterruptionBehavior",
-                f"{behavior!r} keeps reclaimed instances (and their EBS cost) around; use 'terminate'",
-            )
-        )
-    return problems
-
-
-def _check_aws_ingress(provider: dict) -> list[Problem]:
-    problems = []
-    rules = (provider.get("security_group") or {}).get("IpPermissions") or []
-    for i, rule in enumerate(rules):
-        if not isinstance(rule, dict):
-            continue
-        cidrs = [r.get("CidrIp") for r in rule.get("IpRanges") or [] if isinstance(r, dict)]
-        cidrs += [r.get("CidrIpv6") for r in rule.get("Ipv6Ranges") or [] if isinstance(r, dict)]
-        world = [c for c in cidrs if c in _WORLD]
-        if not world:
-            continue
-        low, high = rule.get("FromPort"), rule.get("ToPort")
-        if str(rule.get("IpProtocol")) == "tcp" and low == 22 and high == 22:
-            continue  # SSH: Ray's own security group already allows it; nodes accept keys only
-        ports = (
-            "all ports"
-            if str(rule.get("IpProtocol")) == "-1" or low in (None, -1)
-            else (f"port {low}" if low == high else f"ports {low}-{high}")
-        )
-        problems.append(
-            Problem(
-                f"provider.security_group.IpPermissions[{i}]",
-                f"opens {ports} to the world ({world[0]}); remove the rule and reach the dashboard "
-                "and job API with `ray dashboard CONFIG` (an SSH tunnel), or restrict it to your "
-                "network's CIDR",
-            )
-        )
-    return problems
-
-
-# GCP ---------------------------------------------------------------------------------------------------
-
-
-def _check_gcp_node_config(key: str, node_config: dict) -> list[Problem]:
-    problems = []
-    scheduling = node_config.get("scheduling")
-    accelerators = node_config.get("guestAccelerators") or []
-    if scheduling is not None and not isinstance(scheduling, dict):
-        return [
-            Problem(
-                f"{key}.scheduling",
-                "must be a mapping (the Compute API's Scheduling object), e.g. "
-                "{provisioningModel: SPOT, onHostMaintenance: TERMINATE}",
-            )
-        ]
-    scheduling = scheduling or {}
-    model = scheduling.get("provisioningModel")
-    if model is not None and model not in GCP_PROVISIONING_MODELS:
-        fix = str(model).upper() if str(model).upper() in GCP_PROVISIONING_MODELS else "SPOT or STANDARD"
-        problems.append(
-            Problem(f"{key}.scheduling.provisioningModel", f"{model!r} is not a provisioning model; use {fix}")
-        )
-    preemptible = scheduling.get("preemptible")
-    if preemptible is not None and not isinstance(preemptible, bool):
-        problems.append(Problem(f"{key}.scheduling.preemptible", f"{preemptible!r} must be true or false (unquoted)"))
-    elif model == "SPOT" and preemptible is False:
-        problems.append(
-            Problem(
-                f"{key}.scheduling.preemptible",
-                "false contradicts provisioningModel: SPOT; set preemptible: true or remove it",
-            )
-        )
-    action = scheduling.get("instanceTerminationAction")
-    if action is not None:
-        if action not in GCP_TERMINATION_ACTIONS:
-            problems.append(
-                Problem(
-                    f"{key}.scheduling.instanceTerminationAction", f"{action!r} is not a termination action; use DELETE"
-                )
-            )
-        elif action == "STOP":
-            problems.append(
-                Problem(
-                    f"{key}.scheduling.instanceTerminationAction",
-                    "STOP keeps reclaimed VMs (and their disks' cost) that Ray no longer uses; use DELETE",
-                )
-            )
-    if _gcp_is_spot(node_config) and scheduling.get("automaticRestart") is True:
-        problems.append(
-            Problem(
-                f"{key}.scheduling.automaticRestart",
-                "spot VMs cannot restart automatically; set automaticRestart: false",
-            )
-        )
-    if accelerators and scheduling.get("onHostMaintenance") != "TERMINATE":
-        problems.append(
-            Problem(
-                f"{key}.scheduling.onHostMaintenance",
-                "VMs with GPUs cannot live-migrate; set scheduling.onHostMaintenance: TERMINATE",
-            )
-        )
-    for i, accel in enumerate(accelerators if isinstance(accelerators, list) else []):
-        if not isinstance(accel, dict) or not accel.get("acceleratorType") or not accel.get("acceleratorCount"):
-            problems.append(
-                Problem(
-                    f"{key}.guestAccelerators[{i}]",
-                    "needs acceleratorType and acceleratorCount, e.g. "
-                    "{acceleratorType: nvidia-l4, acceleratorCount: 1}",
-                )
-            )
-    return problems
-
-
-def _gcp_is_spot(node_config: dict) -> bool:
-    scheduling = node_config.get("scheduling")
-    if not isinstance(scheduling, dict):
-        return False
-    return scheduling.get("provisioningModel") == "SPOT" or scheduling.get("preemptible") is True
-
-
-def _cloud_market(cloud: str, node_config: dict) -> str | None:
-    """'spot' or 'on-demand' as the node config asks the cloud for; None when that field is itself invalid."""
-    if cloud == "aws":
-        options = node_config.get("InstanceMarketOptions")
-        if options is None:
-            return "on-demand"
-        if not isinstance(options, dict) or options.get("MarketType") not in AWS_MARKET_TYPES:
-            return None
-        return "spot" if options["MarketType"] == "spot" else "on-demand"
-    if cloud == "gcp":
-        scheduling = node_config.get("scheduling", {})
-        if (
-            not isinstance(scheduling, dict)
-            or scheduling.get("provisioningModel", "SPOT") not in GCP_PROVISIONING_MODELS
-            or not isinstance(scheduling.get("preemptible", False), bool)
-        ):
-            return None
-        return "spot" if _gcp_is_spot(node_config) else "on-demand"
-    return "on-demand"
-
-
-def _market_source(cloud: str) -> str:
-    return "InstanceMarketOptions" if cloud == "aws" else "scheduling"
-
-
-def _spot_hint(cloud: str) -> str:
-    return (
-        "node_config.InstanceMarketOptions: {MarketType: spot}"
-        if cloud == "aws"
-        else "node_config.scheduling: {provisioningModel: SPOT}"
-    )
-
-
-def _gpus(cloud: str, node_type: dict) -> float:
-    resources = node_type.get("resources") or {}
-    if "GPU" in resources:
-        return float(resources["GPU"] or 0)
-    node_config = node_type.get("node_config") or {}
-    if cloud == "aws":  # Ray detects GPUs from the instance type when resources omit them
-        family = str(node_config.get("InstanceType", "")).split(".")[0]
-        return 1.0 if re.match(r"^(p|g)\d", family) else 0.0
-    if cloud == "gcp":
-        accelerators = node_config.get("guestAccelerators") or []
-        return float(sum(a.get("acceleratorCount", 0) for a in accelerators if isinstance(a, dict)))
-    return 0.0

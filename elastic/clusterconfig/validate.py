@@ -6,13 +6,15 @@ what this project relies on and what Ray does not check:
 
 - a spot and an on-demand GPU worker type exist, labeled as jobs select them (placement/labels.py);
 - the head is on-demand, labeled elastic-role=head, and offers no CPUs or GPUs to training;
-- spot types start `elastic watch-preemption` in the background;
+- spot types start `elastic watch-preemption` as a systemd unit that restarts it (KubeRay: the Ray container's
+  preStop hook drains with `--drain-now`, within the pod's grace period);
+- every node installs elastic from a checkout that file_mounts ship, or a pinned release;
 - Ray token authentication is on for every node, the token reaches the nodes, the dashboard is not bound to all
   interfaces and no port but SSH is opened to the world;
 - checkpoint storage named in the nodes' environment is an object store, not a node's disk;
 - cloud fields Ray passes through unchecked: AWS `InstanceMarketOptions` (Ray accepts `MarketType: spott`),
-  GCP `scheduling`, and for KubeRay the RayCluster schema, spot node selectors and tolerations, grace periods
-  and autoscaling.
+  GCP `scheduling`, and for KubeRay KubeRay's own CRD schema (vendored), spot node selectors and tolerations,
+  grace periods, a rate-limited autoscaler, the head's own service account and its affinity off spot nodes.
 
 The policy on open ports: SSH (22) from anywhere is allowed because Ray's AWS bootstrap always adds it to the
 security group it creates and nodes accept keys only; any other port open to 0.0.0.0/0 or ::/0 is a problem.
@@ -20,7 +22,9 @@ security group it creates and nodes accept keys only; any other port open to 0.0
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import logging
 from pathlib import Path
@@ -106,8 +110,11 @@ def ray_schema_problems(config: dict) -> list[Problem]:
     quiet = logging.getLogger("ray.autoscaler._private.util")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # prepare_config logs routine INFO lines ("setting max workers ...")
+    # Ray's CLI logger writes its advice to stdout (e.g. that a file in file_mounts would not update inside a docker
+    # container); our report, --json included, owns stdout.
     try:
-        validate_config(prepare_config(copy.deepcopy(config)))
+        with contextlib.redirect_stdout(io.StringIO()):
+            validate_config(prepare_config(copy.deepcopy(config)))
     except jsonschema.ValidationError as err:
         return [Problem(key_path(err.absolute_path) or "(top level)", f"{one_line(err.message)} (Ray's schema)")]
     except Exception as err:  # Ray raises ValueError, KeyError, NotImplementedError...: report, don't crash

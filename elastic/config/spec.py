@@ -95,7 +95,9 @@ class CheckpointSpec(_Frozen):
 
     uri: str = Field(
         min_length=1,
-        description="Storage root, e.g. s3://bucket/runs; the run writes under <uri>/<run name>/.",
+        description="Storage root: s3://bucket/runs, gs://bucket/runs (elastic-train[gcp]), az://container/runs "
+        "or abfs://container/runs (elastic-train[azure]; account from AZURE_STORAGE_ACCOUNT_NAME); the run writes "
+        "under <uri>/<run name>/.",
     )
     every_steps: Optional[int] = Field(default=None, ge=1, description="Save every N optimizer steps.")
     every_seconds: Optional[float] = Field(default=None, gt=0, description="Save every S seconds.")

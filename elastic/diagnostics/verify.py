@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from elastic.checkpoint.store import CheckpointStore
+from elastic.checkpoint.store import CheckpointStore, run_directory
 from elastic.config.spec import JobSpec
 from elastic.driver import submit
-from elastic.driver.runs import read_summary, run_directory
+from elastic.driver.runs import read_summary
 from elastic.errors import SpecError, UserError, VerifyFailed
 from elastic.local.stack import home_dir
 from elastic.worker.audit import (

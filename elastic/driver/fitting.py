@@ -17,10 +17,11 @@ import ray
 import torch  # noqa: F401  (imported for its side effect on library load order)
 
 from elastic import logs
+from elastic.checkpoint.store import run_directory
 from elastic.config.spec import JobSpec
 from elastic.driver.placements import PlacementExecutor
 from elastic.driver.ray_config import build_trainer
-from elastic.driver.runs import RunSummary, checkpoint_uri, run_directory, write_summary
+from elastic.driver.runs import RunSummary, checkpoint_uri, write_summary
 from elastic.errors import ClusterError, JobFailed
 from elastic.worker.sharing import TrialSharing
 

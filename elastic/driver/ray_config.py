@@ -16,6 +16,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from elastic.config.spec import FailureSpec, JobSpec, WorkersSpec
 from elastic.placement.control import Placement
 from elastic.placement.labels import worker_selector
+from elastic.placement.policy import worker_resources
 from elastic.storage import pyarrow_filesystem
 from elastic.worker.entrypoint import worker_main
 from elastic.worker.sharing import TrialSharing, trial_worker_main
@@ -33,9 +34,6 @@ def scaling_config(
     """`market` overrides workers.market (spot-first runs each placement on spot or on-demand); `count` caps
     an elastic run at the workers the driver found room for (Ray may still start fewer, down to min, after a
     failure inside the placement)."""
-    resources = {"CPU": workers.cpus}
-    if workers.gpus:
-        resources["GPU"] = workers.gpus
     high = min(count, workers.max_workers) if count is not None else workers.max_workers
     num_workers: int | tuple[int, int] = (workers.min, high) if high > workers.min else workers.min
     selector = worker_selector(market or workers.market)
@@ -46,7 +44,7 @@ def scaling_config(
     return ScalingConfig(
         num_workers=num_workers,
         use_gpu=workers.gpus > 0,
-        resources_per_worker=resources,
+        resources_per_worker=worker_resources(workers),
         label_selector=selector,
         elastic_resize_monitor_interval_s=NO_RUNNING_RESIZE_SECONDS,
     )

@@ -6,15 +6,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from elastic.checkpoint.store import run_directory
 from elastic.config.spec import JobSpec
 from elastic.storage import fsspec_filesystem, parse_uri
 
 SUMMARY_FILE = "elastic-summary.json"
-
-
-def run_directory(spec: JobSpec, run_name: str) -> str:
-    """URI of the run's folder: <checkpoint.uri>/<run name>."""
-    return parse_uri(spec.checkpoint.uri).child(run_name).uri
 
 
 @dataclass(frozen=True)

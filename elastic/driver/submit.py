@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic.checkpoint.store import run_directory
 from elastic.config.entrypoint import check_entrypoint
 from elastic.config.spec import JobSpec
-from elastic.driver.runs import run_directory
 from elastic.errors import ClusterError, UserError
 from elastic.local import stack as local
 from elastic.logs import LEVEL_VARIABLE
@@ -26,7 +26,7 @@ from elastic.placement import labels
 from elastic.placement.control import PlacementControl
 from elastic.placement.feasibility import check_feasible
 from elastic.placement.policy import NodeView
-from elastic.storage import check_storage
+from elastic.storage import check_storage, require_filesystem
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def submit(
     runtime_env: dict = {
         "working_dir": str(working_dir),
         "excludes": DEFAULT_EXCLUDES + list(spec.runtime_env.excludes),
-        "env_vars": {**_log_level(), **spec.runtime_env.env_vars, SPEC_VARIABLE: spec.model_dump_json()},
+        "env_vars": {**log_level_environment(), **spec.runtime_env.env_vars, SPEC_VARIABLE: spec.model_dump_json()},
     }
     if spec.runtime_env.pip:
         runtime_env["pip"] = list(spec.runtime_env.pip)
@@ -122,7 +122,7 @@ def submit(
         submission_id=job_id,
         runtime_env=runtime_env,
         metadata={RUN_METADATA_KEY: run_name, "elastic_job": spec.name},
-        entrypoint_label_selector=driver_placement(nodes),
+        entrypoint_label_selector=driver_placement(target, nodes),
     )
     return Submitted(job_id=job_id, run_name=run_name, address=target.address)
 
@@ -154,13 +154,14 @@ def _check_fits(spec: JobSpec, target: Target, nodes: list[NodeView], spec_sourc
     logger.warning("%s (submitting anyway: the cluster may add nodes)", line)
 
 
-def driver_placement(nodes: list[NodeView] | None) -> dict[str, str] | None:
+def driver_placement(target: Target, nodes: list[NodeView] | None = None) -> dict[str, str] | None:
     """Where the job driver runs: never on spot. With no resources or selector, Ray Jobs already pins drivers to
     the head, unless the cluster sets RAY_JOB_ALLOW_DRIVER_ON_WORKER_NODES=1; an explicit selector for the
     labeled on-demand head holds either way. The driver's node also hosts the Ray Train controller (Ray attaches
     it to the driver's node) and a Tune controller (it runs in the driver). A cluster without the labels keeps
     Ray's default: a selector nothing matches would leave the job pending forever; so does a cluster whose nodes
-    the state API cannot list (`nodes` None)."""
+    the state API cannot list. `nodes`: the live nodes, when the caller has just read them."""
+    nodes = nodes if nodes is not None else live_nodes(target)
     selector = labels.driver_selector()
     if nodes is None:
         return None
@@ -248,6 +249,8 @@ def _run_jobs(jobs, run_name: str) -> list:
 
 def _check_storage_from_client(spec: JobSpec, target: Target) -> None:
     """Check the bucket from here when we hold what the cluster will use; cloud nodes use their own role."""
+    # This machine reads the run's checkpoints and summary too (elastic status, checkpoints ls).
+    require_filesystem(spec.checkpoint.uri)
     if target.local is not None:
         with target.local.environment():
             check_storage(spec.checkpoint.uri)
@@ -270,7 +273,7 @@ def spec_from_environment() -> JobSpec:
     return JobSpec.model_validate(json.loads(raw))
 
 
-def _log_level() -> dict[str, str]:
+def log_level_environment() -> dict[str, str]:
     """`elastic -v`/`-q` reach the job's driver and workers (a level set in the spec's env_vars wins)."""
     level = os.environ.get(LEVEL_VARIABLE)
     return {LEVEL_VARIABLE: level} if level else {}

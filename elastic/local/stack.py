@@ -84,6 +84,9 @@ class LocalState:
     ports: dict = field(default_factory=dict)
     retired: list[str] = field(default_factory=list)  # names of nodes that were reclaimed (elastic preempt)
     node_temp_dirs: list[str] = field(default_factory=list)  # each worker node's own Ray temp dir
+    # With --s3-faults: moto's own address. s3_endpoint then names the fault proxy in front of it, so every
+    # client of the stack goes through the proxy; its admin routes are at s3_endpoint + /_elastic/faults.
+    s3_upstream: str = ""
 
     @contextmanager
     def environment(self):
@@ -126,11 +129,13 @@ class LocalState:
         return asdict(self)
 
     def summary(self) -> dict:
+        faults = {"s3_upstream": self.s3_upstream} if self.s3_upstream else {}
         return {
             "ray_address": self.ray_address,
             "gcs_address": self.ray_address,
             "dashboard_url": self.dashboard_url,
             "s3_endpoint": self.s3_endpoint,
+            **faults,
             "bucket": self.bucket,
             "nodes": [{k: n[k] for k in ("node_id", "name", "market", "role", "cpus", "gpus")} for n in self.nodes],
             "env": self.env(),
@@ -186,8 +191,12 @@ def up(
     cpus_per_node: int = 1,
     bucket: str = DEFAULT_BUCKET,
     timeout: float = 120.0,
+    s3_faults: bool = False,
+    s3_fault_seed: int = 0,
 ) -> LocalState:
-    """Start the stack, or return it if it is already up."""
+    """Start the stack, or return it if it is already up. With `s3_faults`, the stack's S3 endpoint is a
+    fault-injecting proxy (elastic.local.s3_faults, seeded with `s3_fault_seed`) in front of moto; it injects
+    nothing until told to over its admin routes."""
     existing = load_state()
     if existing is not None:
         if is_running(existing):
@@ -203,15 +212,19 @@ def up(
     if logs.exists():
         shutil.rmtree(logs, ignore_errors=True)
     ports = {"gcs": _free_port(), "dashboard": _free_port(), "s3": _free_port(), "client": _free_port()}
+    if s3_faults:
+        ports["s3_faults"] = _free_port()
+    moto_url = f"http://127.0.0.1:{ports['s3']}"
     state = LocalState(
         marker=marker,
         temp_dir=temp_dir,
         ray_address=f"127.0.0.1:{ports['gcs']}",
         dashboard_url=f"http://127.0.0.1:{ports['dashboard']}",
-        s3_endpoint=f"http://127.0.0.1:{ports['s3']}",
+        s3_endpoint=f"http://127.0.0.1:{ports['s3_faults']}" if s3_faults else moto_url,
         bucket=bucket,
         logical_gpus=gpus_per_node > 0 and not _cuda_available(),
         ports=ports,
+        s3_upstream=moto_url if s3_faults else "",
     )
     # Job entrypoints run `python -m elastic`: the stack's processes must find this interpreter first.
     env = {**state.env(), "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
@@ -220,6 +233,11 @@ def up(
         s3 = processes.launch([moto_bin, "-H", "127.0.0.1", "-p", str(ports["s3"])], "s3", marker, env, logs / "s3.log")
         state.roots.append(s3.to_dict())
         _save_state(state)
+        if s3_faults:
+            proxy = [sys.executable, "-m", "elastic.local.s3_faults", "--upstream", moto_url]
+            proxy += ["--port", str(ports["s3_faults"]), "--seed", str(s3_fault_seed)]
+            state.roots.append(processes.launch(proxy, "s3-faults", marker, env, logs / "s3-faults.log").to_dict())
+            _save_state(state)
         head, workers = plan[0], plan[1:]
         state.roots.append(_start_node(ray_bin, head, state, env, logs).to_dict())
         _save_state(state)
@@ -235,6 +253,8 @@ def up(
                 _start_spot_daemons(state.nodes[-1], state, env, logs, timeout)
                 _save_state(state)
         _wait_for_port(ports["s3"], timeout, "S3 endpoint", logs / "s3.log")
+        if s3_faults:
+            _wait_for_port(ports["s3_faults"], timeout, "S3 fault proxy", logs / "s3-faults.log")
         _create_bucket(state)
         _save_state(state)
         return state
@@ -385,7 +405,7 @@ def _create_bucket(state: LocalState) -> None:
 
     client = boto3.client(
         "s3",
-        endpoint_url=state.s3_endpoint,
+        endpoint_url=state.s3_upstream or state.s3_endpoint,  # straight to moto: the proxy may be injecting
         region_name="us-east-1",
         aws_access_key_id=LOCAL_AWS_KEY,
         aws_secret_access_key=LOCAL_AWS_KEY,

@@ -24,7 +24,7 @@ from elastic.placement.messages import (
 )
 from elastic.storage import fsspec_filesystem
 
-__all__ = ["Placement", "PlacementControl", "PlacementEnded", "new_placement_id"]
+__all__ = ["Placement", "PlacementControl", "new_placement_id"]
 
 REQUEST_FILE = "elastic-placement-request.json"
 ENDED_FILE = "elastic-placement-ended.json"
@@ -135,13 +135,3 @@ class PlacementControl:
             self.fs.rm(self._path(name))
         except FileNotFoundError:
             pass
-
-
-class PlacementEnded(BaseException):
-    """Raised on every rank at the checkpoint a placement ends at; the worker entry returns on it, so Ray Train
-    sees the run finish cleanly. A BaseException, like SystemExit: `except Exception` in user code must not
-    swallow it."""
-
-    def __init__(self, step: int):
-        super().__init__(f"placement ended at checkpoint step {step}")
-        self.step = step

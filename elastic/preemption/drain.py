@@ -34,6 +34,10 @@ class Drainer(Protocol):
         """Ask Ray to drain the node by `deadline_s` (epoch seconds) for a preemption."""
         ...
 
+    def is_alive(self) -> bool:
+        """Whether the node is still up (Ray ends an idle node as soon as it is drained)."""
+        ...
+
 
 @dataclass(frozen=True)
 class NodeView:
@@ -111,6 +115,16 @@ class RayDrainer:
             ]
             self._node_id = pick_local_node(nodes, services.find_node_ids(), get_node_ip_address())
         return self._node_id
+
+    def is_alive(self) -> bool:
+        from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+        try:
+            infos = self.client().get_all_node_info(timeout=self.rpc_timeout_s)
+        except Exception:  # the GCS does not answer: treat the node as up, the caller holds to its deadline
+            return True
+        node_id = self.node_id()
+        return any(n.hex() == node_id and i.state == GcsNodeInfo.GcsNodeState.ALIVE for n, i in infos.items())
 
     def drain(self, deadline_s: float, message: str) -> DrainOutcome:
         from ray.core.generated import autoscaler_pb2

@@ -187,6 +187,42 @@ class Watcher:
             self.sleep(max(0.0, delay - (self.clock() - started)))
 
 
+def drain_now(
+    drainer: Drainer,
+    seconds: float,
+    margin_s: float,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+    emit: Callable[[str], None] = log_line,
+) -> int:
+    """This node is shutting down now (a Kubernetes preStop hook, a VM's shutdown): drain it with a deadline
+    `seconds - margin_s` from now, then hold until that deadline or until Ray has ended the node, so Ray and the
+    run's just-in-time checkpoint keep going while the platform waits for this command. 1 if the drain failed."""
+    started = clock()
+    deadline = started + max(0.0, seconds - max(0.0, margin_s))
+    try:
+        outcome = drainer.drain(deadline, f"node shutting down: drain requested with {seconds:g} s left")
+    except ElasticError as err:  # DrainError, ClusterError: no Ray node to drain, nothing to hold for
+        emit(f"{err}; not holding the shutdown")
+        return 1
+    if outcome.accepted:
+        emit(
+            f"draining node {outcome.node_id}, deadline in {deadline - started:.1f} s; holding the shutdown until then"
+        )
+    else:  # e.g. the spot watcher drained it a moment ago: the run still needs the node up until the deadline
+        emit(
+            f"Ray rejected the drain of node {outcome.node_id} ({outcome.reason or 'no reason given'}); "
+            "holding the shutdown anyway while the node is up"
+        )
+    while clock() < deadline:
+        if not drainer.is_alive():
+            emit(f"node {outcome.node_id} has ended (it was idle, or its work moved): releasing the shutdown")
+            return 0 if outcome.accepted else 1
+        sleep(min(1.0, deadline - clock()))
+    emit(f"drain deadline reached for node {outcome.node_id}: releasing the shutdown")
+    return 0 if outcome.accepted else 1
+
+
 def watch(
     provider: str = "auto",
     metadata_url: str | None = None,

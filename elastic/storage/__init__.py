@@ -8,6 +8,7 @@ from elastic.storage.filesystems import (
     fsspec_options,
     parse_uri,
     pyarrow_filesystem,
+    require_filesystem,
     s3_endpoint,
     s3_region,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "fsspec_options",
     "parse_uri",
     "pyarrow_filesystem",
+    "require_filesystem",
     "s3_endpoint",
     "s3_region",
 ]

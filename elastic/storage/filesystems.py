@@ -1,12 +1,18 @@
 """Checkpoint URIs -> filesystems.
 
-fsspec (s3fs) for our own reads and writes and torch DCP; pyarrow for Ray Train's storage. The S3 endpoint,
-region and credentials come from the standard AWS environment (AWS_ENDPOINT_URL, AWS_REGION, the credential
-chain), so the same code talks to AWS, to MinIO or to the local moto endpoint.
+fsspec (s3fs, gcsfs, adlfs) for our own reads and writes and torch DCP; pyarrow for Ray Train's storage. The S3
+endpoint, region and credentials come from the standard AWS environment (AWS_ENDPOINT_URL, AWS_REGION, the
+credential chain), so the same code talks to AWS, to MinIO or to the local moto endpoint. Google Cloud Storage
+uses Google's default credentials; Azure Blob Storage takes its account from AZURE_STORAGE_ACCOUNT_NAME and its
+credentials from the Azure environment (adlfs reads both).
+
+Each object store's fsspec package is an extra (`elastic-train[gcp]`, `elastic-train[azure]`; s3fs is always
+installed); a URI whose package is missing fails with one line naming the extra.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -15,7 +21,23 @@ import fsspec
 
 from elastic.errors import StorageError
 
-_OBJECT_STORE_SCHEMES = {"s3", "gs", "gcs", "az", "abfs"}
+# Object-store scheme -> (the fsspec package that implements it, the extra that installs it).
+FILESYSTEM_PACKAGES: dict[str, tuple[str, str]] = {
+    "s3": ("s3fs", ""),  # a core dependency
+    "gs": ("gcsfs", "gcp"),
+    "gcs": ("gcsfs", "gcp"),
+    "az": ("adlfs", "azure"),
+    "abfs": ("adlfs", "azure"),
+    "abfss": ("adlfs", "azure"),
+}
+_OBJECT_STORE_SCHEMES = set(FILESYSTEM_PACKAGES)
+# pyarrow has no az:// and needs an explicit account for abfs://: Ray Train reaches Azure through adlfs.
+_PYARROW_THROUGH_FSSPEC = {"az", "abfs", "abfss"}
+# Every S3 request of ours and DCP's is retried by the AWS client on 500/503 SlowDown, throttling and
+# dropped connections, in botocore's "standard" mode: up to this many attempts in all, with jittered
+# exponential backoff (1, 2, 4, 8 s at most). (Ray Train's pyarrow client keeps pyarrow's own standard retries:
+# a retry strategy does not survive the pickling that ships the filesystem to the workers.)
+S3_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -54,6 +76,19 @@ def parse_uri(uri: str) -> StorageLocation:
     return StorageLocation(uri=uri, scheme=scheme, bucket=parsed.netloc, key=parsed.path.lstrip("/"))
 
 
+def require_filesystem(uri: str) -> None:
+    """One line naming the extra to install when the URI's filesystem package is missing."""
+    location = parse_uri(uri)
+    if location.scheme not in FILESYSTEM_PACKAGES:
+        return  # local paths, and any other fsspec scheme, which fsspec itself resolves
+    package, extra = FILESYSTEM_PACKAGES[location.scheme]
+    if importlib.util.find_spec(package) is None:
+        install = f"pip install 'elastic-train[{extra}]'" if extra else f"pip install {package}"
+        raise StorageError(
+            f"{uri}: {location.scheme}:// needs the {package} package, which is not installed; {install}"
+        )
+
+
 def s3_endpoint() -> str | None:
     """The S3 endpoint from the standard AWS variables (None means AWS itself)."""
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
@@ -70,12 +105,14 @@ def fsspec_options(location: StorageLocation) -> dict:
     client_kwargs: dict = {"region_name": s3_region()}
     if s3_endpoint():
         client_kwargs["endpoint_url"] = s3_endpoint()
-    return {"client_kwargs": client_kwargs}
+    retries = {"mode": "standard", "total_max_attempts": S3_ATTEMPTS}
+    return {"client_kwargs": client_kwargs, "config_kwargs": {"retries": retries}}
 
 
 def fsspec_filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """An fsspec filesystem for the URI and the path inside it."""
     location = parse_uri(uri)
+    require_filesystem(uri)
     protocol = location.scheme if location.scheme not in ("", "file") else "file"
     return fsspec.filesystem(protocol, **fsspec_options(location)), location.path
 
@@ -88,6 +125,10 @@ def pyarrow_filesystem(uri: str):
     location = parse_uri(uri)
     if location.scheme in ("", "file"):
         return pafs.LocalFileSystem(), location.path
+    require_filesystem(uri)
+    if location.scheme in _PYARROW_THROUGH_FSSPEC:
+        fs, path = fsspec_filesystem(uri)
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
     if location.scheme != "s3":
         # gs:// and others: pyarrow resolves them from the URI with its own credential chain.
         fs, path = pafs.FileSystem.from_uri(uri)
@@ -113,6 +154,7 @@ def check_storage(uri: str) -> None:
     location = parse_uri(uri)
     if not location.is_object_store:
         return
+    require_filesystem(uri)
     if location.scheme != "s3":
         return  # other stores are checked by their first write
     fs, _ = fsspec_filesystem(uri)

@@ -25,7 +25,7 @@ from typing import Any
 
 from ray.tune import Callback
 
-from elastic.checkpoint.store import CheckpointStore
+from elastic.checkpoint.store import CheckpointStore, run_directory
 from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import SweepSpec, _example_value, trial_job
 from elastic.driver.fitting import fit_run
@@ -146,7 +146,7 @@ def run_probe(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> pac
                 report_to_tune=False,
             ),
         )
-        run_uri = parse_uri(train_root(sweep, job)).child(run_name).uri
+        run_uri = run_directory(probe_job, run_name)
         measured = _read_json(parse_uri(run_uri).child(PROBE_FILE).uri) or {}
         say(f"probe: done in {time.monotonic() - started:.0f} s: {json.dumps(measured)}")
     if measured.get("cuda"):
@@ -172,7 +172,7 @@ def trial_main(config: dict, setup: dict) -> None:
     base = JobSpec.model_validate(setup["job"])
     job = trial_job(base, config)
     job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"uri": setup["train_root"]})})
-    run_uri = parse_uri(setup["train_root"]).child(run_name).uri
+    run_uri = run_directory(job, run_name)
     record_uri = parse_uri(run_uri).child(TRIAL_FILE).uri
     record = _read_json(record_uri) or {"run_name": run_name, "params": config, "attempts": [], "ooms": []}
     if record.get("finished"):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from elastic.checkpoint.checkpointer import SaveResult
 from elastic.config.spec import CheckpointSpec
-from elastic.placement.control import PlacementEnded
+from elastic.errors import PlacementEnded
 from elastic.worker.jit import JustInTime, NoJustInTime, Notice
 from elastic.worker.reporting import CommitReports
 

@@ -16,8 +16,7 @@ from typing import Any, Protocol
 
 from elastic import logs
 from elastic.config.spec import JobSpec
-from elastic.errors import SpecError
-from elastic.placement.control import PlacementEnded
+from elastic.errors import PlacementEnded, SpecError
 from elastic.worker.session import Session
 
 

@@ -28,10 +28,9 @@ import torch
 import torch.distributed as dist
 
 from elastic.checkpoint.checkpointer import SaveResult, ShardedCheckpointer
-from elastic.checkpoint.store import CheckpointStore, Retention
+from elastic.checkpoint.store import CheckpointStore, Retention, run_directory
 from elastic.config.spec import JobSpec
 from elastic.data import ResumableLoader, ResumableSampler
-from elastic.storage import parse_uri
 from elastic.worker.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.worker.cadence import CheckpointCadence
 from elastic.worker.chaos import Chaos
@@ -86,7 +85,7 @@ class Session:
         self.device = worker_device(self.local_rank)
         self.node_id, self.market = node_identity()
         self._storage = context.get_storage()
-        self.store = CheckpointStore(_run_uri(spec, self._storage))
+        self.store = CheckpointStore(run_directory(spec, self._storage.experiment_dir_name))
         # Background saves run their collectives on a group of their own, apart from DDP's all-reduces.
         self._checkpoint_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.checkpointer = ShardedCheckpointer(
@@ -239,29 +238,46 @@ class Session:
 
     # -- restore
     def restore(self) -> int:
-        """Load the latest committed checkpoint of this run, if any. Returns the step to continue from."""
-        latest = self.store.latest_committed()
-        if self.is_chief:
-            # Torn saves newer than the latest commit (a crash mid-upload) would otherwise be reused by the
-            # next save of the same step with stale shards in them.
-            for info in self.store.list():
-                if not info.committed and (latest is None or info.step > latest.step):
-                    self.store.delete(info.step)
+        """Load the latest committed checkpoint of this run, if any; when it cannot be read, the one before it
+        (a log line says so). Returns the step to continue from."""
+        committed = self._committed_steps()
         if self._checkpoint_group is not None:
             dist.barrier(group=self._checkpoint_group)
-        self._start_ledger(latest.step if latest is not None else 0)
         self._ending.watch.running(self.world_size)
-        if latest is None:
+        if not committed:
+            self._start_ledger(0)
             return 0
-        state = self._state.template()
-        self.checkpointer.load(latest.step, state)
+        step, state = self.checkpointer.load_newest(committed, self._state.template)
         self._state.load_state_dict(state)
+        if self.is_chief and step != max(committed):
+            self._retire_newer_than(step, committed)
+        self._start_ledger(step)
         self.restored_step = self._last_saved_step = self.step_count
+        info = self.store.info(step)
         self.log(
-            f"resumed from checkpoint at step {self.step_count} ({latest.uri}, written by "
-            f"{latest.world_size} workers, now {self.world_size})"
+            f"resumed from checkpoint at step {self.step_count} ({info.uri}, written by "
+            f"{info.world_size} workers, now {self.world_size})"
         )
         return self.step_count
+
+    def _committed_steps(self) -> list[int]:
+        """Rank 0's listing (elastic.checkpoint.store.restorable_steps), shared: the ranks' loads are
+        collective and must try the same checkpoints in the same order."""
+        shared = [self.store.restorable_steps() if self.is_chief else []]
+        if self._checkpoint_group is not None and dist.is_initialized():
+            dist.broadcast_object_list(shared, src=0, group=self._checkpoint_group)
+        return shared[0]
+
+    def _retire_newer_than(self, step: int, committed: list[int]) -> None:
+        """After a fall back to `step`, the newer checkpoints that could not be read are retired: the run now
+        goes on from `step`, and a later restore must not jump ahead to a checkpoint of the abandoned history
+        (its sample records were superseded). Best effort: the store may still be failing."""
+        for newer in (s for s in committed if s > step):
+            try:
+                self.store.retire(newer)
+                self.log(f"retired checkpoint at step {newer}: it could not be read, the run goes on from {step}")
+            except Exception as err:  # storage errors vary by backend; the run goes on either way
+                _log.warning("could not retire unreadable checkpoint at step %d: %s", newer, err)
 
     # -- training loop
     def optimize(self, loss: torch.Tensor, metrics: dict | None = None) -> bool:
@@ -402,13 +418,6 @@ class Session:
         if result is not None and not result.committed:
             self._log_failure(result)
             raise RuntimeError(f"final checkpoint at step {result.step} failed: {result.error}")
-
-
-def _run_uri(spec: JobSpec, storage) -> str:
-    """The run folder as a URI (same place Ray Train keeps the run), e.g. s3://bucket/runs/<run name>."""
-    location = parse_uri(spec.checkpoint.uri)
-    path = storage.experiment_fs_path
-    return f"{location.scheme}://{path}" if location.is_object_store else path
 
 
 def _format(metrics: dict) -> str:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.config.spec import JobSpec
-from elastic.errors import ElasticError
+from elastic.errors import ProbeDone, SharedGPUError
 from elastic.worker.entrypoint import worker_main
 from elastic.worker.session import Session
 
@@ -52,14 +52,6 @@ class TrialSharing:
     strategy: str = "PACK"
     probe_steps: int | None = None
     report_to_tune: bool = True
-
-
-class SharedGPUError(ElasticError):
-    """Two ranks of one trial were given the same GPU."""
-
-
-class _ProbeDone(Exception):
-    """Raised after the probe's last step, to leave the job's loop."""
 
 
 def trial_worker_main(payload: dict) -> None:
@@ -87,7 +79,7 @@ class TrialSetup:
         steps = _StepWatch(session, self.share, self.probe_steps)
         try:
             train(session)
-        except _ProbeDone:
+        except ProbeDone:
             _write_probe(session, fs, root, steps)
         except torch.OutOfMemoryError as err:
             _write(
@@ -127,7 +119,7 @@ class _StepWatch:
                 f"{self.share} (< {self._inject[1]}; {INJECT_OOM_VARIABLE})"
             )
         if self.probe_steps and len(self.times) >= self.probe_steps:
-            raise _ProbeDone()
+            raise ProbeDone()
 
 
 def _parse_injection(text: str) -> tuple[int, float] | None:

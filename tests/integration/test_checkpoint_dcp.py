@@ -699,7 +699,7 @@ def test_retain_never_deletes_a_checkpoint_another_process_committed(s3_env):
 
 
 def test_checkpoint_benchmark_measures_and_loads_back_exactly(s3_env):
-    from elastic.bench.harness import bench_checkpoint
+    from elastic.bench.checkpointing import bench_checkpoint
 
     result = bench_checkpoint(f"s3://{BUCKET}/bench", size_mb=8, workers=2, repeats=2)
     assert result.loaded_equal, "the benchmark's load did not give back the saved state"
@@ -709,4 +709,8 @@ def test_checkpoint_benchmark_measures_and_loads_back_exactly(s3_env):
     for figure in (result.raw_put_mb_s, result.save_mb_s, result.raw_get_mb_s, result.load_mb_s):
         assert figure > 0
     assert 0 < result.stall_ratio < 1 and result.throughput_ratio > 0 and result.load_ratio > 0
+    # torch's own path ran on the same state in the same run, and its load gave the state back too (loaded_equal)
+    for figure in (result.torch_save_mb_s, result.torch_load_mb_s, result.save_vs_torch, result.load_vs_torch):
+        assert figure > 0
+    assert 0 < result.torch_async_save_stall_ratio < 1
     assert keys_under(s3_env, "bench/") == {}, "the benchmark left objects behind"

@@ -1,4 +1,5 @@
-"""`elastic local down` stops exactly what `up` started: nothing of the stack survives, nothing else dies."""
+"""`elastic local down` stops exactly what `up` started: nothing of the stack survives, nothing else dies. The
+stack here runs with `--s3-faults`: its S3 endpoint is the fault proxy, which `down` stops with the rest."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import re
 import subprocess
 import sys
 
+import boto3
+import botocore.config
 import psutil
 import pytest
+from botocore.exceptions import ClientError
 
 from elastic.local.processes import MARKER_VARIABLE
+from elastic.local.s3_faults import FaultControl
 
 pytestmark = pytest.mark.integration
 
@@ -32,13 +37,28 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
     cli = cli_factory(tmp_path / "home")
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
-        cli.run("local", "up", "--spot", "1", "--on-demand", "1", "--json", check=True, timeout=300)
+        up = cli.run("local", "up", "--spot", "1", "--on-demand", "1", "--s3-faults", "--json", check=True, timeout=300)
         state = json.loads((tmp_path / "home" / "local" / "state.json").read_text())
         marker = state["marker"]
         pids = stack_pids(marker)
         roles = {r["role"] for r in state["roots"]}
         # a spot node comes with its metadata endpoint and preemption watcher, as on a cloud
-        assert roles == {"s3", "head", "on-demand-0", "spot-0", "metadata-spot-0", "watcher-spot-0"}
+        assert roles == {"s3", "s3-faults", "head", "on-demand-0", "spot-0", "metadata-spot-0", "watcher-spot-0"}
+        # Every client of the stack talks to the proxy; the bucket was made straight on moto behind it.
+        info = json.loads(up.stdout)
+        assert info["env"]["AWS_ENDPOINT_URL"] == info["s3_endpoint"] != info["s3_upstream"]
+        client = boto3.client(
+            "s3",
+            endpoint_url=info["s3_endpoint"],
+            region_name="us-east-1",
+            aws_access_key_id=info["env"]["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=info["env"]["AWS_SECRET_ACCESS_KEY"],
+            config=botocore.config.Config(retries={"total_max_attempts": 1}),
+        )
+        FaultControl(info["s3_endpoint"]).open_window("503", requests=1)
+        with pytest.raises(ClientError, match="SlowDown"):
+            client.list_objects_v2(Bucket=info["bucket"])
+        assert client.list_objects_v2(Bucket=info["bucket"])["KeyCount"] == 0
         spot = [n for n in state["nodes"] if n["name"] == "spot-0"][0]
         assert spot["metadata_url"].startswith("http://127.0.0.1:")
         assert len(pids) >= 8  # ray start x3, gcs, raylets, dashboard, agents, moto...

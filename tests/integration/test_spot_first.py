@@ -7,7 +7,10 @@
    failure budget spent;
 3. nothing was lost: the final model and optimizer are bit-identical to an uninterrupted run's (a spot-first
    job submitted now that spot is there, which goes straight to spot);
-4. job drivers ran on the on-demand head.
+4. job drivers ran on the on-demand head;
+5. every spot node of a running spot-first job is reclaimed: the run treats it like its first placement (waits
+   `spot_wait_seconds` for spot, falls back to on-demand, swaps back to spot at a checkpoint once spot returns),
+   says why at each step, and still ends bit-identical to the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -194,6 +197,57 @@ def test_the_swapped_run_is_bit_identical_to_an_uninterrupted_one(stack, monkeyp
     swapped = CheckpointStore(f"{root}/digits-ddp-swap").read_tensors(FINAL_STEP)
     assert straight.keys() == swapped.keys() and any(k.startswith("optim.") for k in straight)
     assert [k for k in straight if not torch.equal(straight[k], swapped[k])] == []
+
+
+def test_spot_first_after_every_spot_node_is_reclaimed_falls_back_and_swaps_back(stack, monkeypatch):
+    import torch
+
+    cli, run = stack["cli"], "digits-ddp-reclaimed"
+    jobs = jobs_client(stack, monkeypatch)
+    submitted = cli.run(
+        "submit",
+        "jobs/digits_ddp.yaml",
+        "--suffix",
+        "reclaimed",
+        *COMMON,
+        *SLOW,
+        "--set",
+        "config.spot_step_delay=0.2",  # the reclaim lands mid-run however fast the machine
+        "--set",
+        "workers.spot_wait_seconds=5",
+        "--json",
+        check=True,
+    )
+    job_id = json.loads(submitted.stdout)["job_id"]
+    logs = wait_for_log(jobs, job_id, "checkpoint at step 20 committed", timeout=150)
+    assert {m for _, _, m in placements(logs)} == {"spot"}, elastic_lines(logs)
+
+    # Reclaim the only spot node (spot-0, added by the first test) with a 10 s notice.
+    cli.run("preempt", "--node", "spot-0", "--notice", "10", check=True, timeout=180)
+    # It chooses its market as at the start: no spot within 5 s, so on-demand, with the reason.
+    logs = wait_for_log(jobs, job_id, "spot capacity was not granted within 5 s", timeout=180)
+    assert "falling back to on-demand" in logs[logs.index("spot capacity was not granted within 5 s") :]
+    # Spot comes back (as an autoscaler would replace the node): the run swaps back to it at a checkpoint.
+    cli.run("local", "add-node", "--market", "spot", "--cpus", "2", "--json", check=True, timeout=180)
+    assert wait_for_end(jobs, job_id, timeout=300) == "SUCCEEDED"
+    logs = jobs.get_job_logs(job_id)
+    trace = elastic_lines(logs)
+    fallback = logs.index("spot capacity was not granted within 5 s")
+    assert "placement: swap: spot capacity for 2 worker(s) is back" in logs[fallback:], trace
+    result = summary(stack["env"], stack["bucket"], run)
+    assert result["status"] == "SUCCEEDED" and result["metrics"]["step"] == FINAL_STEP, trace
+    assert [p["market"] for p in result["placements"]] == ["spot", "on-demand", "spot"], result["placements"]
+    assert [p.get("ended_by") for p in result["placements"][:2]] == ["preemption", "swap"], result["placements"]
+
+    from elastic.checkpoint.store import CheckpointStore
+
+    for key, value in stack["env"].items():
+        monkeypatch.setenv(key, value)
+    root = f"s3://{stack['bucket']}/runs"
+    straight = CheckpointStore(f"{root}/digits-ddp-straight").read_tensors(FINAL_STEP)
+    reclaimed = CheckpointStore(f"{root}/{run}").read_tensors(FINAL_STEP)
+    assert straight.keys() == reclaimed.keys()
+    assert [k for k in straight if not torch.equal(straight[k], reclaimed[k])] == []
 
 
 def s3(env: dict):

@@ -11,6 +11,8 @@ import boto3
 import pytest
 from conftest import Cli
 
+from elastic.local.s3_faults import running_proxy
+
 pytestmark = pytest.mark.integration
 
 # Distinctive fake credentials the first job runs with (in the submitting CLI's environment and the job's):
@@ -146,6 +148,38 @@ def test_resubmitting_the_same_job_resumes_its_run(stack, stack_env):
     runs = [row for row in status if row["run"] == RUN_NAME]
     assert len(runs) == 2 and all(row["status"] == "SUCCEEDED" for row in runs)
     assert "resumed from checkpoint" in cli.run("logs", RUN_NAME, check=True).stdout
+
+
+def test_a_resume_that_cannot_read_the_latest_checkpoint_falls_back_to_the_one_before(stack, stack_env):
+    """The same run once more, its job talking to S3 through the fault proxy, which resets every read of the
+    latest checkpoint's files: the workers resume from the checkpoint before it (saying so), retire the
+    unreadable one, and train on to the end."""
+    cli = stack["cli"]
+    committed = sorted(
+        int(key.split("/")[-2].split("-")[1])
+        for key in list_keys(stack_env, stack["bucket"], f"runs/{RUN_NAME}/step-")
+        if key.endswith("/COMMITTED.json")
+    )
+    assert committed[-2:] == [69, 92]  # the previous test's final checkpoints
+    with running_proxy(stack_env["AWS_ENDPOINT_URL"], seed=1) as (url, control):
+        control.open_window("reset", match={"methods": ["GET"], "path_contains": f"/{RUN_NAME}/step-000000092/"})
+        proc = cli.run(
+            "submit",
+            "jobs/digits_ddp.yaml",
+            "--suffix",
+            RUN_SUFFIX,
+            "--set",
+            "config.epochs=5",
+            "--set",
+            f"runtime_env.env_vars.AWS_ENDPOINT_URL={url}",
+            "--follow",
+            check=True,
+        )
+        assert control.stats()["injected"]["reset"] > 0
+    assert "checkpoint at step 92 cannot be read" in proc.stdout
+    assert "resumed from checkpoint at step 69" in proc.stdout
+    assert "retired checkpoint at step 92" in proc.stdout
+    assert summary(stack_env, stack["bucket"], RUN_NAME)["metrics"]["step"] == 115  # from 69: two epochs of 23
 
 
 def test_a_run_resumes_at_a_different_worker_count(stack, stack_env):
@@ -294,19 +328,38 @@ def test_bad_input_exits_2_with_one_line(stack, args, expected):
 
 
 @pytest.mark.parametrize(
-    "job, overrides",
+    "job, overrides, through_job_api",
     [
-        ("jobs/charlm.yaml", ["--set", "config.epochs=2"]),  # dropout, AdamW, warmup + cosine LambdaLR
-        ("jobs/digits_augment.yaml", ["--set", "config.epochs=2"]),  # crop/flip/noise in 2 DataLoader workers
+        ("jobs/charlm.yaml", ["--set", "config.epochs=2"], False),  # dropout, AdamW, warmup + cosine LambdaLR
+        ("jobs/digits_augment.yaml", ["--set", "config.epochs=2"], True),  # crop/flip/noise in 2 DataLoader workers
     ],
 )
-def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(stack, job, overrides):
+def test_verify_resume_is_bit_identical_for_jobs_that_draw_random_numbers(
+    stack, job, overrides, through_job_api, monkeypatch
+):
     """The user-facing verifier on jobs that draw random numbers: 3 kills (one inside a checkpoint save) and a
     reclaim notice (a just-in-time end). The random streams of the training loop and of the DataLoader workers
     continue exactly, so the final model and optimizer are bit-identical and every sample is seen once per epoch.
-    (digits_augment is the digits job plus augmentation: it stands for the plain digits job too.)"""
-    proc = stack["cli"].run("verify-resume", job, "--kills", "3", "--notices", "1", "--json", *overrides, check=True)
+    (digits_augment is the digits job plus augmentation: it stands for the plain digits job too.)
+
+    The digits_augment one runs as a laptop would on a cloud cluster: `--address`, so the verifier itself runs
+    as a Ray job on the cluster and the client prints the report that job produced."""
+    remote = ["--address", stack["dashboard_url"]] if through_job_api else []
+    proc = stack["cli"].run(
+        "verify-resume", job, "--kills", "3", "--notices", "1", "--json", *overrides, *remote, check=True
+    )
     report = json.loads(proc.stdout)
+    if through_job_api:
+        from ray.job_submission import JobSubmissionClient
+
+        monkeypatch.setenv("RAY_AUTH_MODE", stack["env"]["RAY_AUTH_MODE"])  # the stack's auth mode
+        drivers = [
+            j
+            for j in JobSubmissionClient(stack["dashboard_url"]).list_jobs()
+            if (j.metadata or {}).get("elastic_command") == "verify-resume"
+        ]
+        assert [str(j.status.value) for j in drivers] == ["SUCCEEDED"], drivers
+        assert f"submitted Ray job {drivers[0].submission_id}" in proc.stderr
     assert report["identical"] is True and report["max_abs_diff"] == 0.0, report["problems"]
     assert report["first_loss_divergence"] is None
     assert report["samples_exactly_once"] is True and report["passed"] is True

@@ -87,6 +87,40 @@ def test_four_trials_share_one_gpu_at_once(stack):
     assert list(result["trials_per_gpu"].values()) == [4] and result["errors"] == 0
 
 
+def test_a_sweep_runs_from_a_laptop_through_the_job_api(stack, monkeypatch):
+    """`elastic sweep --address`: the sweep's driver runs as a Ray job on the cluster (the project directory as
+    its working dir) and the client prints the trials and best config that job found."""
+    from ray.job_submission import JobSubmissionClient
+
+    name = f"remote-{uuid.uuid4().hex[:6]}"
+    proc = stack["cli"].run(
+        "sweep",
+        "jobs/digits_sweep.yaml",
+        "--address",
+        stack["dashboard_url"],
+        "--set",
+        "num_samples=2",
+        "--set",
+        f"name={name}",
+        "--json",
+        timeout=420,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert len(result["trials"]) == 2 and result["errors"] == 0, result
+    assert all(t["state"] == "TERMINATED" for t in result["trials"]), result["trials"]
+    assert set(result["best_config"]) == {"lr", "width", "batch_size"}
+    assert "[sweep]" in proc.stderr  # its progress streamed from the job
+    monkeypatch.setenv("RAY_AUTH_MODE", stack["env"]["RAY_AUTH_MODE"])  # the stack's auth mode
+    drivers = [
+        j
+        for j in JobSubmissionClient(stack["dashboard_url"]).list_jobs()
+        if (j.metadata or {}).get("elastic_run") == f"sweep {name}"
+    ]
+    assert [str(j.status.value) for j in drivers] == ["SUCCEEDED"], drivers
+    assert "elastic sweep jobs/digits_sweep.yaml" in drivers[0].entrypoint
+
+
 def test_out_of_memory_retried_with_bigger_share_and_ddp_ranks_on_distinct_gpus(stack, tmp_path):
     name = f"oom-{uuid.uuid4().hex[:6]}"
     sweep = write_sweep(

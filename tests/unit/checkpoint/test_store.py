@@ -151,6 +151,21 @@ def test_latest_committed_is_none_without_any_commit(store, run):
     assert store.latest_committed() is None
 
 
+def test_restorable_steps_are_the_commits_and_torn_saves_after_them_go(store, run):
+    make_checkpoints(store, run, committed=[10, 30], uncommitted=[20, 40, 50])
+    store.retire(10)
+    assert store.restorable_steps() == [30]
+    # Torn saves after the latest commit would be reused by the next save of their step: deleted. The one
+    # before it is retention's to remove.
+    assert steps_on_disk(run) == [20, 30]
+
+
+def test_restorable_steps_without_any_commit_clear_every_torn_save(store, run):
+    make_checkpoints(store, run, committed=[], uncommitted=[10, 20])
+    assert store.restorable_steps() == []
+    assert steps_on_disk(run) == []
+
+
 # ---------------------------------------------------------------------------------------------------------
 # retention
 

@@ -7,11 +7,13 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 from click.testing import CliRunner
 
 from elastic.cli import cli
+from elastic.clusterconfig import crd_schema
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "cluster-configs"
@@ -239,9 +241,27 @@ BROKEN = [
     (
         "watcher-foreground",
         AWS,
-        _replace_in("worker_start_ray_commands.2", "2>&1 &", "2>&1;"),
+        lambda c: c["worker_start_ray_commands"].__setitem__(
+            2, "source ~/.elastic-env; elastic watch-preemption --provider aws >/tmp/w.log 2>&1"
+        ),
         "worker_start_ray_commands[2]",
-        "the watcher runs in the foreground",
+        "the watcher runs in the foreground and would block node setup; start it as a systemd unit: `sudo systemd-run",
+    ),
+    (
+        "watcher-nohup",
+        AWS,
+        lambda c: c["worker_start_ray_commands"].__setitem__(
+            2, "source ~/.elastic-env; nohup elastic watch-preemption --provider aws >/tmp/w.log 2>&1 &"
+        ),
+        "worker_start_ray_commands[2]",
+        "the watcher is not supervised: nothing restarts it when it exits; start it as a systemd unit",
+    ),
+    (
+        "watcher-unit-not-restarted",
+        GCP,
+        _replace_in("worker_start_ray_commands.2", "-p Restart=always", ""),
+        "worker_start_ray_commands[2]",
+        "the watcher's systemd unit is never restarted; add -p Restart=always",
     ),
     (
         "watcher-provider",
@@ -312,16 +332,44 @@ BROKEN = [
     (
         "unpinned",
         AWS,
-        _replace_in("setup_commands.1", '"elastic-train==0.1.0"', "elastic-train"),
+        _replace_in("setup_commands.1", '"$HOME/elastic-src"', "elastic-train"),
         "setup_commands[1]",
         "installs elastic-train unpinned",
     ),
     (
         "stale-pin",
         AWS,
-        _replace_in("setup_commands.1", "elastic-train==0.1.0", "elastic-train==0.0.1"),
+        _replace_in("setup_commands.1", '"$HOME/elastic-src"', "elastic-train==0.0.1"),
         "setup_commands[1]",
         "installs elastic-train==0.0.1 but this elastic is",
+    ),
+    (
+        "install-unshipped-tree",
+        AWS,
+        _replace_in("setup_commands.1", '"$HOME/elastic-src"', "~/elastic-checkout"),
+        "setup_commands[1]",
+        "installs ~/elastic-checkout, which no file_mounts entry copies to the nodes; add file_mounts",
+    ),
+    (
+        "checkout-not-shipped",
+        GCP,
+        lambda c: [c["file_mounts"].pop(k) for k in list(c["file_mounts"]) if k.startswith("~/elastic-src")],
+        "setup_commands[1]",
+        "installs ~/elastic-src, which no file_mounts entry copies to the nodes",
+    ),
+    (
+        "install-nothing",
+        GCP,
+        _delete("setup_commands.1"),
+        "available_node_types.head",
+        "no setup command installs elastic on these nodes",
+    ),
+    (
+        "checkout-not-mounted",
+        GCP,
+        lambda c: c["file_mounts"].pop("~/elastic-src/pyproject.toml"),
+        "setup_commands[1]",
+        "installs ~/elastic-src, but file_mounts copy no ~/elastic-src/pyproject.toml; add file_mounts",
     ),
     # --- GCP
     (
@@ -389,7 +437,7 @@ BROKEN = [
         KUBERAY,
         lambda c: c["spec"]["workerGroupSpecs"][0]["template"]["spec"].update(nodeSelecter={}),
         f"{K_SPOT_KEY}.template.spec",
-        "Additional properties are not allowed ('nodeSelecter' was unexpected) (RayCluster schema)",
+        "Additional properties are not allowed ('nodeSelecter' was unexpected) (KubeRay v1.7.0 RayCluster CRD); did you mean 'nodeSelector'?",
     ),
     (
         "k8s-schema-type",
@@ -480,16 +528,91 @@ BROKEN = [
     (
         "k8s-no-watcher",
         KUBERAY,
-        lambda c: c["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"].pop(),
-        f"{K_SPOT_KEY}.template.spec.containers",
-        "spot pods do not start the preemption watcher",
+        lambda c: c["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].pop("lifecycle"),
+        f"{K_SPOT_KEY}.template.spec.containers[0].lifecycle",
+        "spot pods never drain their Ray node before they stop; add lifecycle: {preStop: {exec: {command: "
+        "[elastic, watch-preemption, --drain-now, '13']}}}",
+    ),
+    (
+        "k8s-drain-outlives-grace",
+        KUBERAY,
+        lambda c: c["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].update(
+            lifecycle={"preStop": {"exec": {"command": ["elastic", "watch-preemption", "--drain-now", "160"]}}}
+        ),
+        f"{K_SPOT_KEY}.template.spec.containers[0].lifecycle.preStop",
+        "--drain-now 160 holds the pod past its terminationGracePeriodSeconds (150)",
+    ),
+    (
+        "k8s-no-containers",
+        KUBERAY,
+        lambda c: c["spec"]["workerGroupSpecs"][1]["template"]["spec"].update(containers=[]),
+        "spec.workerGroupSpecs[1].template.spec.containers",
+        "no containers; the first one runs Ray",
+    ),
+    (
+        "k8s-upscaling-default",
+        KUBERAY,
+        _set("spec.autoscalerOptions.upscalingMode", "Default"),
+        "spec.autoscalerOptions.upscalingMode",
+        "Default scales up without a rate limit (Ray's upscaling_speed 1000)",
+    ),
+    (
+        "k8s-shared-account",
+        KUBERAY,
+        _set("spec.headGroupSpec.template.spec.serviceAccountName", "elastic-worker"),
+        "spec.workerGroupSpecs[0].template.spec.serviceAccountName",
+        "shares the head's service account elastic-worker, to which KubeRay binds the autoscaler's Role",
+    ),
+    (
+        "k8s-head-may-land-on-spot",
+        KUBERAY,
+        lambda c: c["spec"]["headGroupSpec"]["template"]["spec"].pop("affinity"),
+        "spec.headGroupSpec.template.spec.affinity",
+        "nothing keeps the head off spot nodes of a pool created without the spot taint",
     ),
     (
         "k8s-no-auth",
         KUBERAY,
-        lambda c: c["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0].update(env=[]),
+        lambda c: c["spec"].pop("authOptions"),
         "spec.workerGroupSpecs[1].template.spec.containers[0].env",
-        "Ray token authentication is off in this group",
+        "Ray token authentication is off in this group; set spec.authOptions: {mode: token",
+    ),
+    (
+        "k8s-auth-disabled",
+        KUBERAY,
+        _set("spec.authOptions.mode", "disabled"),
+        "spec.authOptions.mode",
+        "disabled: KubeRay turns token authentication on only with mode: token",
+    ),
+    (
+        "k8s-auth-mode-enum",
+        KUBERAY,
+        _set("spec.authOptions.mode", "tokens"),
+        "spec.authOptions.mode",
+        "'tokens' is not one of ['disabled', 'token'] (KubeRay v1.7.0 RayCluster CRD)",
+    ),
+    (
+        "k8s-container-typo",
+        KUBERAY,
+        lambda c: c["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0].update(
+            imagePullPolicyy="Always"
+        ),
+        "spec.workerGroupSpecs[1].template.spec.containers[0]",
+        "('imagePullPolicyy' was unexpected) (KubeRay v1.7.0 RayCluster CRD); did you mean 'imagePullPolicy'?",
+    ),
+    (
+        "k8s-deep-typo",
+        KUBERAY,
+        lambda c: c["spec"]["workerGroupSpecs"][0]["template"]["spec"]["tolerations"][0].update(efect="NoSchedule"),
+        "spec.workerGroupSpecs[0].template.spec.tolerations[0]",
+        "('efect' was unexpected) (KubeRay v1.7.0 RayCluster CRD); did you mean 'effect'?",
+    ),
+    (
+        "k8s-wrong-kind",
+        KUBERAY,
+        _set("apiVersion", "ray.io/v1alpha1"),
+        "apiVersion",
+        "'ray.io/v1' was expected",
     ),
     (
         "k8s-local-checkpoints",
@@ -497,7 +620,7 @@ BROKEN = [
         lambda c: c["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"].append(
             {"name": "ELASTIC_RUNS_URI", "value": "/data/runs"}
         ),
-        "spec.headGroupSpec.template.spec.containers[0].env[6]",
+        "spec.headGroupSpec.template.spec.containers[0].env[4]",
         "is node-local storage",
     ),
 ]
@@ -549,3 +672,134 @@ def test_unreadable_inputs_exit_2_with_one_line(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "not valid YAML" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what the nodes install
+
+
+def _uncommented(text: str) -> str:
+    return "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")) + [ROOT / "Dockerfile"], ids=lambda p: p.name)
+def test_nothing_installs_an_unpublished_release(path):
+    """elastic-train is on no index yet: every node and image installs the checkout, never `elastic-train==...`."""
+    assert "elastic-train==" not in _uncommented(path.read_text())
+
+
+@pytest.mark.parametrize("name", [AWS, GCP])
+def test_ray_up_configs_ship_the_package_sources(name):
+    config = load(name)
+    mounts = config["file_mounts"]
+    for local in ("pyproject.toml", "README.md", "elastic"):
+        assert mounts[f"~/elastic-src/{local}"] == local and (ROOT / local).exists()
+    extra = "[gcp]" if name == GCP else ""
+    assert f'pip install -q "$HOME/elastic-src{extra}"' in " ".join(config["setup_commands"])
+
+
+def test_dockerfile_installs_the_checkout_on_rays_image():
+    text = _uncommented((ROOT / "Dockerfile").read_text())
+    assert "FROM rayproject/ray:2.60.0-py311-gpu" in text
+    assert "COPY --chown=ray:users elastic /tmp/elastic-src/elastic" in text
+    assert 'pip install --no-cache-dir "/tmp/elastic-src${EXTRAS:+[$EXTRAS]}"' in text
+    # .dockerignore keeps the context to what the COPY lines need (no .venv, no .git)
+    assert (ROOT / ".dockerignore").read_text().splitlines()[1:4] == ["*", "!pyproject.toml", "!README.md"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KubeRay's CRD schema
+
+
+def test_vendored_crd_says_where_it_came_from():
+    vendored = crd_schema.vendored()
+    assert vendored["release"] == "v1.7.0" and len(vendored["commit"]) == 40
+    assert vendored["source"].endswith("/v1.7.0/ray-operator/config/crd/bases/ray.io_rayclusters.yaml")
+    assert "authOptions" in vendored["openAPIV3Schema"]["properties"]["spec"]["properties"]
+
+
+def test_crd_conversion_rejects_unknown_fields_unless_preserved():
+    crd = {
+        "type": "object",
+        "properties": {
+            "strict": {"type": "object", "properties": {"a": {"type": "string"}}},
+            "open": {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": {"a": {}}},
+            "bare": {"type": "object"},
+            "port": {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]},
+            "maybe": {"type": "string", "nullable": True},
+            # a field named like a keyword is still a field
+            "type": {"type": "object", "properties": {"type": {"type": "string"}}},
+        },
+    }
+    validator = jsonschema.Draft7Validator(crd_schema.as_json_schema(crd))
+    assert validator.is_valid({"strict": {"a": "x"}, "open": {"b": 1}, "bare": {"c": 2}, "port": 80, "maybe": None})
+    assert validator.is_valid({"port": "http", "type": {"type": "x"}})
+    assert not validator.is_valid({"strict": {"b": "x"}})
+    assert not validator.is_valid({"type": {"kind": "x"}})
+    assert not validator.is_valid({"extra": 1})
+    assert not validator.is_valid({"port": 1.5})
+
+
+def test_kuberay_manifest_with_every_optional_block_still_validates(tmp_path):
+    """Fields of the real CRD that the old hand-kept subset rejected pass now."""
+    config = load(KUBERAY)
+    config["spec"]["authOptions"]["enableK8sTokenAuth"] = False
+    config["spec"]["headGroupSpec"]["headService"] = {"metadata": {"annotations": {"a": "b"}}}
+    config["spec"]["workerGroupSpecs"][0]["idleTimeoutSeconds"] = 120
+    pod = config["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    pod["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
+    pod["containers"][0]["volumeMounts"] = [{"name": "shm", "mountPath": "/dev/shm"}]
+    pod["volumes"] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
+    path = tmp_path / "k.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = validate(path)
+    assert result.exit_code == 0, result.output
+
+
+# ---------------------------------------------------------------------------------------------------------
+# AWS IAM policies
+
+
+def _statements(name: str) -> list[dict]:
+    return json.loads((CONFIGS / "aws-iam" / name).read_text())["Statement"]
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def test_head_policy_scopes_every_instance_action_to_this_clusters_tag():
+    """Launch, terminate, stop, start and tag only instances tagged with the config's cluster_name."""
+    cluster = load(AWS)["cluster_name"]
+    mutating = {"ec2:RunInstances", "ec2:TerminateInstances", "ec2:StopInstances", "ec2:StartInstances"}
+    seen = set()
+    for statement in _statements("head-policy.json"):
+        actions = set(_as_list(statement["Action"]))
+        on_instances = [r for r in _as_list(statement["Resource"]) if r in ("*", "arn:aws:ec2:*:*:instance/*")]
+        if not (actions & (mutating | {"ec2:CreateTags"})) or not on_instances:
+            continue
+        assert on_instances == ["arn:aws:ec2:*:*:instance/*"], statement["Sid"]  # never Resource "*"
+        condition = statement["Condition"]["StringEquals"]
+        if "ec2:CreateAction" in condition:  # tags written by the launch itself
+            assert actions == {"ec2:CreateTags"} and condition["ec2:CreateAction"] == "RunInstances"
+            continue
+        tag = (
+            "aws:RequestTag/ray-cluster-name" if actions == {"ec2:RunInstances"} else "ec2:ResourceTag/ray-cluster-name"
+        )
+        assert condition == {tag: cluster}, statement["Sid"]
+        seen |= actions
+    assert mutating <= seen
+
+
+def test_head_policy_resolves_the_ssm_image_parameter():
+    image = load(AWS)["available_node_types"]["gpu_spot_g5"]["node_config"]["ImageId"]
+    parameter = image.removeprefix("resolve:ssm:")
+    [statement] = [s for s in _statements("head-policy.json") if "ssm:GetParameters" in _as_list(s["Action"])]
+    prefix = statement["Resource"].split(":parameter", 1)[1].rstrip("*")
+    assert parameter.startswith(prefix)
+
+
+def test_worker_policy_has_no_ec2_rights():
+    assert not [
+        s for s in _statements("worker-policy.json") if any(a.startswith("ec2:") for a in _as_list(s["Action"]))
+    ]

@@ -544,3 +544,33 @@ def test_spec_check_never_echoes_credentials(tmp_path):
         "RAY_AUTH_TOKEN": "<redacted>",
         "NCCL_DEBUG": "INFO",  # not a credential: shown
     }
+
+
+@pytest.mark.parametrize(
+    ("uri", "package", "extra"), [("gs://b/runs", "gcsfs", "gcp"), ("az://c/runs", "adlfs", "azure")]
+)
+def test_cli_spec_check_names_the_extra_a_uri_needs(uri, package, extra, tmp_path):
+    """Without the scheme's filesystem package: one line naming the extra, exit 2; with it, the spec passes."""
+    ok = _cli(["spec", "check", str(DIGITS), "--set", f"checkpoint.uri={uri}"], tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["checkpoint"]["uri"] == uri
+    # A package set to None in sys.modules is one Python treats as not installed.
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(f"import sys\nsys.modules[{package!r}] = None\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(ELASTIC_HOME=str(tmp_path / "home"), PYTHONPATH=str(blocker))
+    missing = subprocess.run(
+        [sys.executable, "-m", "elastic", "spec", "check", str(DIGITS), "--set", f"checkpoint.uri={uri}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert missing.returncode == 2
+    scheme = uri.split(":")[0]
+    assert missing.stderr == (
+        f"error: {uri}: {scheme}:// needs the {package} package, which is not installed; "
+        f"pip install 'elastic-train[{extra}]'\n"
+    )

@@ -24,7 +24,7 @@ from elastic.errors import ClusterError, DrainError, MetadataUnavailable
 from elastic.local.metadata_server import MetadataServer, post_admin
 from elastic.preemption.drain import DrainOutcome, NodeView, pick_local_node
 from elastic.preemption.notices import AwsSource, AzureSource, GcpSource, detect_provider
-from elastic.preemption.watcher import WatchConfig, Watcher, backoff_delay, drain_deadline, watch
+from elastic.preemption.watcher import WatchConfig, Watcher, backoff_delay, drain_deadline, drain_now, watch
 
 NODE = "ab" * 28
 ACTION = AwsSource.ACTION
@@ -33,14 +33,21 @@ ACTION = AwsSource.ACTION
 class RecordingDrainer:
     """Records every drain request; answers from `answers` (True = accepted) in order, then accepts."""
 
-    def __init__(self, *answers: bool):
+    def __init__(self, *answers: bool, alive_polls: int | None = None):
         self.answers = list(answers)
         self.calls: list[tuple[float, str]] = []
+        self.alive_polls = alive_polls  # is_alive() answers True this many times, then False (None: always)
 
     def drain(self, deadline_s: float, message: str) -> DrainOutcome:
         self.calls.append((deadline_s, message))
         accepted = self.answers.pop(0) if self.answers else True
         return DrainOutcome(accepted, NODE, "" if accepted else "node is already dead")
+
+    def is_alive(self) -> bool:
+        if self.alive_polls is None:
+            return True
+        self.alive_polls -= 1
+        return self.alive_polls >= 0
 
 
 class FakeClock:
@@ -488,3 +495,52 @@ def test_source_raises_unavailable_on_5xx_not_a_notice(aws, clock):
     aws.fail_next(1, 500, path="/latest/api/token")
     with pytest.raises(MetadataUnavailable, match="HTTP 500"):
         AwsSource(aws.url, timeout_s=0.5, clock=clock).poll()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --drain-now: a preStop hook or a shutdown unit
+
+
+def test_drain_now_drains_and_holds_until_the_deadline(clock):
+    drainer, lines = RecordingDrainer(), []
+    start = clock.now
+    status = drain_now(drainer, 13, 2, clock=clock, sleep=clock.sleep, emit=lines.append)
+    assert status == 0
+    [(deadline, message)] = drainer.calls
+    assert deadline == pytest.approx(start + 11)
+    assert "node shutting down" in message
+    assert clock.now == pytest.approx(start + 11)  # held the shutdown exactly to the deadline
+    assert lines[-1].startswith("drain deadline reached")
+
+
+def test_drain_now_releases_at_once_when_ray_ends_the_node(clock):
+    drainer, lines = RecordingDrainer(alive_polls=2), []
+    start = clock.now
+    assert drain_now(drainer, 30, 2, clock=clock, sleep=clock.sleep, emit=lines.append) == 0
+    assert clock.now == pytest.approx(start + 2)  # two polls while alive, released on the third
+    assert "has ended" in lines[-1]
+
+
+def test_drain_now_rejected_still_holds_while_the_node_is_up(clock):
+    """A node the spot watcher drained a moment ago: Ray may refuse a second drain, the run still needs it up."""
+    lines = []
+    start = clock.now
+    assert drain_now(RecordingDrainer(False), 13, 2, clock=clock, sleep=clock.sleep, emit=lines.append) == 1
+    assert "rejected" in lines[0] and clock.now == pytest.approx(start + 11)
+
+
+def test_drain_now_without_a_ray_node_does_not_hold(clock):
+    lines = []
+
+    class Unreachable(RecordingDrainer):
+        def drain(self, deadline_s, message):
+            raise DrainError("no alive Ray node runs on this host")
+
+    assert drain_now(Unreachable(), 13, 2, clock=clock, sleep=clock.sleep, emit=lines.append) == 1
+    assert clock.sleeps == [] and lines[-1].endswith("not holding the shutdown")
+
+
+def test_drain_now_must_leave_room_for_the_margin():
+    result = CliRunner().invoke(cli, ["watch-preemption", "--drain-now", "2"])
+    assert result.exit_code != 0
+    assert "--drain-now must be more than --margin-seconds (2), got 2" in str(result.exception or result.output)

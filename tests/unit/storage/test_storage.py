@@ -10,6 +10,7 @@ import pytest
 from elastic.errors import StorageError
 from elastic.storage import StorageLocation, check_storage, fsspec_options, parse_uri, pyarrow_filesystem
 from elastic.storage import filesystems as storage
+from elastic.storage.filesystems import S3_ATTEMPTS
 
 _AWS_VARIABLES = [
     "AWS_ENDPOINT_URL",
@@ -120,14 +121,18 @@ def test_child_of_file_uri(tmp_path):
 
 
 def test_fsspec_options_default_to_aws_region_without_endpoint():
-    assert fsspec_options(parse_uri("s3://bucket/x")) == {"client_kwargs": {"region_name": "us-east-1"}}
+    assert fsspec_options(parse_uri("s3://bucket/x")) == {
+        "client_kwargs": {"region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": S3_ATTEMPTS}},
+    }
 
 
 def test_fsspec_options_from_environment(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
     monkeypatch.setenv("AWS_REGION", "eu-west-3")
-    assert fsspec_options(parse_uri("s3://bucket/x")) == {
-        "client_kwargs": {"region_name": "eu-west-3", "endpoint_url": "http://127.0.0.1:9000"}
+    assert fsspec_options(parse_uri("s3://bucket/x"))["client_kwargs"] == {
+        "region_name": "eu-west-3",
+        "endpoint_url": "http://127.0.0.1:9000",
     }
 
 
@@ -219,3 +224,53 @@ def test_check_storage_on_s3_does_consult_the_store(monkeypatch):
     with pytest.raises(StorageError, match=r"bucket 'bucket' does not exist"):
         check_storage("s3://bucket/runs")
     assert fake.asked == ["bucket"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the object stores' fsspec packages (extras)
+
+
+@pytest.mark.parametrize(
+    ("uri", "package", "extra"),
+    [
+        ("gs://bucket/runs", "gcsfs", "gcp"),
+        ("gcs://bucket/runs", "gcsfs", "gcp"),
+        ("az://container/runs", "adlfs", "azure"),
+        ("abfs://container/runs", "adlfs", "azure"),
+    ],
+)
+def test_missing_filesystem_package_names_the_extra(uri, package, extra, monkeypatch):
+    real_find_spec = storage.importlib.util.find_spec
+    monkeypatch.setattr(
+        storage.importlib.util, "find_spec", lambda name: None if name == package else real_find_spec(name)
+    )
+    expected = f"{uri}: {uri.split(':')[0]}:// needs the {package} package, which is not installed; pip install 'elastic-train[{extra}]'"
+    for call in (storage.require_filesystem, storage.fsspec_filesystem, storage.pyarrow_filesystem, check_storage):
+        with pytest.raises(StorageError) as err:
+            call(uri)
+        assert str(err.value) == expected
+
+
+def test_local_paths_and_s3_need_no_extra(tmp_path):
+    storage.require_filesystem(str(tmp_path))
+    storage.require_filesystem("s3://bucket/runs")
+
+
+def test_gs_uri_gets_gcsfs(monkeypatch):
+    # Anonymous: no credential lookup, so nothing leaves this machine.
+    monkeypatch.setattr(storage, "fsspec_options", lambda location: {"token": "anon"})
+    fs, path = storage.fsspec_filesystem("gs://bucket/runs/x")
+    assert type(fs).__module__.startswith("gcsfs") and fs.protocol[0] == "gs"
+    assert path == "bucket/runs/x"
+
+
+@pytest.mark.parametrize("uri", ["az://container/runs", "abfs://container/runs"])
+def test_azure_uris_get_adlfs_for_fsspec_and_pyarrow(uri, monkeypatch):
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "elasticaccount")
+    fs, path = storage.fsspec_filesystem(uri)
+    assert type(fs).__name__ == "AzureBlobFileSystem" and fs.account_name == "elasticaccount"
+    assert path == "container/runs"
+    arrow_fs, arrow_path = pyarrow_filesystem(uri)
+    # pyarrow has no az://: Ray Train's storage goes through the same adlfs filesystem.
+    assert isinstance(arrow_fs, pafs.PyFileSystem) and arrow_fs.handler.fs is fs
+    assert arrow_path == "container/runs"

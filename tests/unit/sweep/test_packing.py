@@ -94,7 +94,8 @@ def test_oom_injection_knob_parses():
 def test_injected_oom_fires_only_below_the_share():
     import torch
 
-    from elastic.worker.sharing import _ProbeDone, _StepWatch
+    from elastic.errors import ProbeDone
+    from elastic.worker.sharing import _StepWatch
 
     class FakeSession:  # what _StepWatch uses of a session: add_step_hook; step() calls the hooks
         def __init__(self):
@@ -120,7 +121,7 @@ def test_injected_oom_fires_only_below_the_share():
         probe = FakeSession()
         _StepWatch(probe, 1.0, 3)
         probe.step(), probe.step()
-        with pytest.raises(_ProbeDone):
+        with pytest.raises(ProbeDone):
             probe.step()  # the probe ends after its steps
     finally:
         del os.environ["ELASTIC_INJECT_OOM"]

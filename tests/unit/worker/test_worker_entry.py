@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastic.placement.control import PlacementEnded
+from elastic.errors import PlacementEnded
 from elastic.worker import entrypoint
 
 
