@@ -27,7 +27,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from elastic.config.documents import read_document
-from elastic.config.spec import _NAME_PATTERN, JobSpec, _describe, _Frozen, apply_overrides, parse_job_spec, parse_spec
+from elastic.config.messages import describe
+from elastic.config.spec import _NAME_PATTERN, JobSpec, _Frozen, apply_overrides, parse_job_spec, parse_spec
 from elastic.errors import SpecError
 
 Mode = Literal["min", "max"]
@@ -227,7 +228,7 @@ def trial_job(job: JobSpec, params: dict[str, Any]) -> JobSpec:
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as err:
-        raise SpecError(_describe(err, JobSpec, None, "trial")) from None
+        raise SpecError(describe(err, JobSpec, None, "trial")) from None
 
 
 def _flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
