@@ -50,7 +50,7 @@ def submit_cmd(
 
     spec = load_job_spec(job_file, overrides)
     target = submit.resolve_target(address)
-    submitted = submit.submit(spec, target, suffix=suffix, working_dir=working_dir)
+    submitted = submit.submit(spec, target, suffix=suffix, working_dir=working_dir, spec_source=str(job_file))
     if as_json:
         print_json({"run_name": submitted.run_name, "job_id": submitted.job_id, "address": submitted.address})
     else:

@@ -70,7 +70,8 @@ def main() -> None:
         err.show()
         sys.exit(err.exit_code)
     except UserError as err:
-        click.echo(f"error: {err}", err=True)
+        # One line whatever the message holds (a value from the user's file may carry a newline).
+        click.echo("error: " + " ".join(str(err).splitlines()), err=True)
         sys.exit(err.exit_code)
     except JobFailed as err:
         click.echo(f"error: {err}", err=True)

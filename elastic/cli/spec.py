@@ -25,14 +25,22 @@ def spec_schema() -> None:
 @spec_group.command("check")
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE")
-def spec_check(job_file: Path, overrides: tuple[str, ...]) -> None:
-    """Validate a job file and print it with defaults filled in."""
+@click.option(
+    "--working-dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    help="Folder the entrypoint is found in, as `submit` uploads it (default: the current directory).",
+)
+def spec_check(job_file: Path, overrides: tuple[str, ...], working_dir: Path | None) -> None:
+    """Validate a job file, and its entrypoint as `submit` does (the file exists and defines the function),
+    and print it with defaults filled in (values of credential-like env_vars shown as <redacted>)."""
+    from elastic.config.entrypoint import check_entrypoint
     from elastic.config.spec import load_job_spec
     from elastic.storage import require_filesystem
 
     spec = load_job_spec(job_file, overrides)
     require_filesystem(spec.checkpoint.uri)
-    print_json(spec.model_dump(mode="json"))
+    check_entrypoint(spec, (working_dir or Path.cwd()).resolve(), str(job_file))
+    print_json(spec.redacted())
 
 
 # ---------------------------------------------------------------------------------------------------------

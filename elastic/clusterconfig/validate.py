@@ -25,16 +25,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
 import logging
 from pathlib import Path
 
 import jsonschema
-import yaml
+import ray.autoscaler
 from ray.autoscaler._private.util import fillout_defaults, prepare_config, validate_config  # private: below
 
 from elastic.clusterconfig.kuberay import check_kuberay
 from elastic.clusterconfig.problems import Problem, key_path, one_line, unique
 from elastic.clusterconfig.rules import check_ray_up
+from elastic.config.documents import load_yaml, read_document
 from elastic.errors import ClusterConfigError
 
 # ray.autoscaler._private.util is private: it is what `ray up` runs on a config; Ray 2.60 has no public
@@ -49,16 +51,8 @@ __all__ = ["ClusterConfigError", "Problem", "config_kind", "load_config", "valid
 
 def load_config(path: str | Path) -> dict:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ClusterConfigError(f"{path}: cannot read it ({err.strerror or err})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise ClusterConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', None) or err})") from None
+    text = read_document(path, "cluster config", ClusterConfigError)
+    data, _ = load_yaml(text, str(path), ClusterConfigError)
     if not isinstance(data, dict):
         raise ClusterConfigError(f"{path}: expected a `ray up` config or a RayCluster manifest (a mapping)")
     return data
@@ -124,7 +118,22 @@ def ray_schema_problems(config: dict) -> list[Problem]:
     except jsonschema.ValidationError as err:
         return [Problem(key_path(err.absolute_path) or "(top level)", f"{one_line(err.message)} (Ray's schema)")]
     except Exception as err:  # Ray raises ValueError, KeyError, NotImplementedError...: report, don't crash
+        # Preparing a config of the wrong shape fails before Ray's schema runs (a list where a mapping belongs
+        # gives "list indices must be integers"): the schema on the file as written names the field instead.
+        shape = _raw_schema_problem(config)
+        if shape is not None:
+            return [shape]
         return [Problem("(config)", f"{one_line(str(err)) or type(err).__name__} (Ray's config check)")]
     finally:
         quiet.setLevel(level)
     return []
+
+
+def _raw_schema_problem(config: dict) -> Problem | None:
+    """The first type or shape error of Ray's schema on the config as written (missing fields are not errors
+    here: `ray up` fills them in)."""
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    for err in sorted(jsonschema.Draft7Validator(schema).iter_errors(config), key=lambda e: list(e.absolute_path)):
+        if err.validator != "required":
+            return Problem(key_path(err.absolute_path) or "(top level)", f"{one_line(err.message)} (Ray's schema)")
+    return None

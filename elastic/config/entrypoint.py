@@ -10,8 +10,16 @@ from elastic.config.spec import JobSpec
 from elastic.errors import SpecError
 
 
-def check_entrypoint(spec: JobSpec, working_dir: Path) -> None:
-    """Client-side check, without importing user code: the file exists and defines the function."""
+def check_entrypoint(spec: JobSpec, working_dir: Path, source: str | None = None) -> None:
+    """Client-side check, without importing user code: the file exists and defines the function. `source` (the
+    job file) starts the error line, so it names the file as every spec problem does."""
+    try:
+        _check(spec, working_dir)
+    except SpecError as err:
+        raise SpecError(f"{source}: {err}" if source else str(err)) from None
+
+
+def _check(spec: JobSpec, working_dir: Path) -> None:
     target, name = spec.entrypoint_target, spec.entrypoint_function
     if not target.endswith(".py"):
         return  # a module path is importable only in the job's environment; checked when the job starts
@@ -21,9 +29,14 @@ def check_entrypoint(spec: JobSpec, working_dir: Path) -> None:
             f"entrypoint: {target} not found under {working_dir}; fix the path or submit from the project root"
         )
     try:
-        tree = ast.parse(path.read_text(), filename=str(path))
+        # Bytes, as Python reads a module: ast honours a coding declaration; undecodable text is a SyntaxError.
+        tree = ast.parse(path.read_bytes(), filename=str(path))
     except SyntaxError as err:
         raise SpecError(f"entrypoint: {target}:{err.lineno}: syntax error ({err.msg}); fix the file") from None
+    except ValueError as err:  # e.g. NUL bytes: not Python source at all
+        raise SpecError(f"entrypoint: {target}: not Python source ({err}); fix the path") from None
+    except OSError as err:
+        raise SpecError(f"entrypoint: {target}: cannot read it ({err.strerror or err})") from None
     if name not in _top_level_names(tree):
         functions = sorted(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
         raise SpecError(

@@ -6,22 +6,30 @@ e.g. ``jobs/x.yaml:9: workers.mx: unknown field; did you mean 'max'?``.
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
-import typing
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from elastic.config.documents import load_yaml, read_document
+from elastic.config.messages import PATTERN_HINTS, describe
 from elastic.errors import SpecError
 
 Market = Literal["spot", "on-demand", "any", "spot-first"]
 
 _NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 _ENTRYPOINT_PATTERN = r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$"
+# Environment variables whose names look like credentials: their values are never echoed (JobSpec.redacted).
+REDACTED = "<redacted>"
+_SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSW|CREDENTIAL|AUTH|SESSION|PRIVATE", re.IGNORECASE)
+# Bounds no real request reaches: past them a number is a typo (an extra zero, a byte count), and refusing it here
+# beats a run that waits forever for capacity no cluster has. `submit` also checks against the cluster's nodes.
+MAX_WORKERS = 10_000
+MAX_CPUS_PER_WORKER = 1024
+MAX_GPUS_PER_WORKER = 64
 
 
 class _Frozen(BaseModel):
@@ -31,12 +39,17 @@ class _Frozen(BaseModel):
 class WorkersSpec(_Frozen):
     """How many training workers, what each needs, and which nodes they may run on."""
 
-    min: int = Field(ge=1, description="Fewest workers the run trains with (it waits below this).")
+    min: int = Field(ge=1, le=MAX_WORKERS, description="Fewest workers the run trains with (it waits below this).")
     max: Optional[int] = Field(
-        default=None, ge=1, description="Most workers; defaults to min. min < max makes the run elastic."
+        default=None,
+        ge=1,
+        le=MAX_WORKERS,
+        description="Most workers; defaults to min. min < max makes the run elastic.",
     )
-    cpus: float = Field(default=1.0, gt=0, description="CPUs per worker.")
-    gpus: float = Field(default=0.0, ge=0, description="GPUs per worker (0 trains on CPU with gloo).")
+    cpus: float = Field(default=1.0, gt=0, le=MAX_CPUS_PER_WORKER, description="CPUs per worker.")
+    gpus: float = Field(
+        default=0.0, ge=0, le=MAX_GPUS_PER_WORKER, description="GPUs per worker (0 trains on CPU with gloo)."
+    )
     market: Market = Field(
         default="any",
         description="Nodes the workers may use: spot, on-demand, any worker node, or spot-first (spot when it "
@@ -207,8 +220,16 @@ class JobSpec(_Frozen):
             return self.name
         name = f"{self.name}-{suffix}"
         if not re.fullmatch(_NAME_PATTERN, name):
-            raise SpecError(f"--suffix {suffix!r}: {_PATTERN_HINTS['name']} (the run name is {name!r})")
+            raise SpecError(f"--suffix {suffix!r}: {PATTERN_HINTS['name']} (the run name is {name!r})")
         return name
+
+    def redacted(self) -> dict[str, Any]:
+        """The spec as JSON for people and files: values of env_vars whose name looks like a credential
+        (…KEY…, …SECRET…, …TOKEN…, …PASSWORD…) are replaced, so `spec check`, logs and reports never echo them."""
+        data = self.model_dump(mode="json")
+        env = data["runtime_env"]["env_vars"]
+        data["runtime_env"]["env_vars"] = {k: REDACTED if _SECRET_NAME.search(k) else v for k, v in env.items()}
+        return data
 
     @property
     def entrypoint_target(self) -> str:
@@ -226,40 +247,45 @@ class JobSpec(_Frozen):
 def load_job_spec(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> JobSpec:
     """Read, override and validate a job YAML. Raises SpecError with one line on any problem."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such job file; check the path") from None
-    except OSError as err:
-        raise SpecError(f"{path}: cannot read job file ({err.strerror})") from None
+    text = read_document(path, "job file")
     return parse_job_spec(text, source=str(path), overrides=overrides)
 
 
-def parse_job_spec(text: str, source: str = "<job>", overrides: tuple[str, ...] | list[str] = ()) -> JobSpec:
+def parse_job_spec(
+    text: str,
+    source: str = "<job>",
+    overrides: tuple[str, ...] | list[str] = (),
+    overrides_where: str = "--set {item}",
+) -> JobSpec:
     return parse_spec(
-        text, JobSpec, source, overrides, "a job file must be a YAML mapping with name, entrypoint, workers, checkpoint"
+        text,
+        JobSpec,
+        source,
+        overrides,
+        "a job file must be a YAML mapping with name, entrypoint, workers, checkpoint",
+        overrides_where,
     )
 
 
 def parse_spec(
-    text: str, model: type[BaseModel], source: str, overrides: tuple[str, ...] | list[str], not_a_mapping: str
+    text: str,
+    model: type[BaseModel],
+    source: str,
+    overrides: tuple[str, ...] | list[str],
+    not_a_mapping: str,
+    overrides_where: str = "--set {item}",
 ):
-    """YAML text -> `model`, with --set overrides; every problem one SpecError line (shared by job and sweep)."""
-    try:
-        raw = yaml.safe_load(text)
-        root = yaml.compose(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise SpecError(f"{where}: not valid YAML ({problem}); fix the syntax") from None
+    """YAML text -> `model`, with --set overrides; every problem one SpecError line (shared by job and sweep).
+    `overrides_where` names an overridden field in that line ({item}: FIELD=VALUE, {field}: FIELD): the flag on a
+    command line, the sweep file's `overrides` for a sweep's job."""
+    raw, root = load_yaml(text, source)
     if not isinstance(raw, dict):
         raise SpecError(f"{source}: {not_a_mapping}")
     raw = apply_overrides(raw, overrides)
     try:
         return model.model_validate(raw)
     except ValidationError as err:
-        raise SpecError(_describe(err, model, root, source, overrides)) from None
+        raise SpecError(describe(err, model, root, source, overrides, overrides_where)) from None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -299,90 +325,6 @@ def job_schema() -> dict[str, Any]:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "elastic job spec"
     return schema
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Error messages
-
-
-def _describe(
-    err: ValidationError,
-    model: type[BaseModel],
-    root: yaml.Node | None,
-    source: str,
-    overrides: tuple[str, ...] | list[str] = (),
-) -> str:
-    # A misspelled required field yields "missing" and "unknown field" errors: the typo is the useful one.
-    errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
-    first = errors[0]
-    loc = tuple(first["loc"])
-    kind = first["type"]
-    dotted = ".".join(str(p) for p in loc) or "(root)"
-    if kind == "extra_forbidden":
-        allowed = _allowed_fields(model, loc[:-1])
-        line = _line_of(root, loc, key=True)
-        hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-        fix = f"did you mean '{hint[0]}'?" if hint else f"allowed here: {', '.join(allowed)}"
-        message = f"{dotted}: unknown field; {fix}"
-    elif kind == "missing":
-        line = _line_of(root, loc[:-1], key=False)
-        message = f"{dotted}: required field is missing; add `{loc[-1]}:` to the file"
-    else:
-        line = _line_of(root, loc, key=False)
-        got = first.get("input")
-        shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
-        text = _PATTERN_HINTS.get(first["type"] == "string_pattern_mismatch" and str(loc[-1]), None) or first[
-            "msg"
-        ].removeprefix("Value error, ")
-        message = f"{dotted}: {text}{shown}"
-    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    overridden = [
-        o
-        for o in overrides
-        if dotted == o.partition("=")[0].strip() or dotted.startswith(o.partition("=")[0].strip() + ".")
-    ]
-    if overridden:
-        where = f"--set {overridden[-1]}"
-    else:
-        where = f"{source}:{line}" if line else source
-    return f"{where}: {message}{more}"
-
-
-_PATTERN_HINTS = {
-    "name": "use lowercase letters, digits, '.', '_' or '-' (up to 63), starting with a letter or digit",
-    "entrypoint": "use path/to/file.py:function or package.module:function",
-}
-
-
-def _allowed_fields(model: type[BaseModel], loc: tuple) -> list[str]:
-    current: Any = model
-    for part in loc:
-        if typing.get_origin(current) is dict:  # dict[str, Model] (a sweep's space): `part` is a key
-            current = typing.get_args(current)[1]
-            continue
-        field = getattr(current, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        current = field.annotation
-    return list(getattr(current, "model_fields", {}).keys())
-
-
-def _line_of(root: yaml.Node | None, loc: tuple, key: bool) -> int | None:
-    """1-based line of the node at `loc` (the key's line when key=True); the nearest parent's if absent."""
-    node, line = root, (root.start_mark.line + 1 if root is not None else None)
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
-            if match is None:
-                return line
-            node = match[1]
-            line = (match[0] if key else match[1]).start_mark.line + 1
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            return line
-    return line
 
 
 def dump_schema() -> str:

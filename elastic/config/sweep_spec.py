@@ -26,7 +26,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from elastic.config.spec import _NAME_PATTERN, JobSpec, _describe, _Frozen, apply_overrides, parse_job_spec, parse_spec
+from elastic.config.documents import read_document
+from elastic.config.messages import describe
+from elastic.config.spec import _NAME_PATTERN, JobSpec, _Frozen, apply_overrides, parse_job_spec, parse_spec
 from elastic.errors import SpecError
 
 Mode = Literal["min", "max"]
@@ -183,14 +185,9 @@ def job_field(key: str) -> str:
 def load_sweep_spec(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> tuple[SweepSpec, JobSpec]:
     """Read and validate a sweep YAML and the job it names (with the sweep's job overrides applied)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such sweep file; check the path") from None
-    except OSError as err:
-        raise SpecError(f"{path}: cannot read sweep file ({err.strerror})") from None
+    text = read_document(path, "sweep file")
     sweep = parse_sweep_spec(text, source=str(path), overrides=overrides)
-    return sweep, load_trial_job(sweep, base=path.parent)
+    return sweep, load_trial_job(sweep, base=path.parent, source=str(path))
 
 
 def parse_sweep_spec(text: str, source: str = "<sweep>", overrides: tuple[str, ...] | list[str] = ()) -> SweepSpec:
@@ -199,20 +196,28 @@ def parse_sweep_spec(text: str, source: str = "<sweep>", overrides: tuple[str, .
     )
 
 
-def load_trial_job(sweep: SweepSpec, base: Path = Path(".")) -> JobSpec:
+def load_trial_job(sweep: SweepSpec, base: Path = Path("."), source: str = "<sweep>") -> JobSpec:
     """The job the sweep names, with `overrides` applied; checked once more with every space key set to a
-    sampled-like value, so a key that is not a job field fails now, not in every trial."""
+    sampled-like value, so a key that is not a job field fails now, not in every trial. Problems name the sweep
+    file (`source`) where the sweep is the cause."""
     candidates = [Path(sweep.job), base / sweep.job]
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
-        raise SpecError(f"job: {sweep.job} not found (looked in the working dir and next to the sweep file)")
-    text = path.read_text()
-    job = parse_job_spec(text, source=str(path), overrides=_as_overrides(_flatten(sweep.overrides)))
+        raise SpecError(
+            f"{source}: job: {sweep.job} not found (looked in the working dir and next to the sweep file); fix the path"
+        )
+    text = read_document(path, "job file")
+    job = parse_job_spec(
+        text,
+        source=str(path),
+        overrides=_as_overrides(_flatten(sweep.overrides)),
+        overrides_where=f"{source}: overrides.{{field}}",
+    )
     example = {key: _example_value(param) for key, param in sweep.space.items()}
     try:
         trial_job(job, example)
     except SpecError as err:
-        raise SpecError(f"space: {err} (a space key must be a job field)") from None
+        raise SpecError(f"{source}: space: {err} (a space key must be a job field)") from None
     return job
 
 
@@ -223,7 +228,7 @@ def trial_job(job: JobSpec, params: dict[str, Any]) -> JobSpec:
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as err:
-        raise SpecError(_describe(err, JobSpec, None, "trial")) from None
+        raise SpecError(describe(err, JobSpec, None, "trial")) from None
 
 
 def _flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:

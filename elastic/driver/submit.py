@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shlex
 import sys
@@ -23,7 +24,11 @@ from elastic.local import stack as local
 from elastic.logs import LEVEL_VARIABLE
 from elastic.placement import labels
 from elastic.placement.control import PlacementControl
+from elastic.placement.feasibility import check_feasible
+from elastic.placement.policy import NodeView
 from elastic.storage import check_storage, require_filesystem
+
+logger = logging.getLogger(__name__)
 
 SPEC_VARIABLE = "ELASTIC_JOB_SPEC"
 RUN_METADATA_KEY = "elastic_run"
@@ -82,14 +87,22 @@ def client(target: Target):
 
 
 def submit(
-    spec: JobSpec, target: Target, suffix: str | None = None, working_dir: Path | None = None, check_bucket: bool = True
+    spec: JobSpec,
+    target: Target,
+    suffix: str | None = None,
+    working_dir: Path | None = None,
+    check_bucket: bool = True,
+    spec_source: str | None = None,
 ) -> Submitted:
+    """`spec_source`: the job file, named in the error line of a bad entrypoint."""
     working_dir = (working_dir or Path.cwd()).resolve()
-    check_entrypoint(spec, working_dir)
+    check_entrypoint(spec, working_dir, spec_source)
     run_name = spec.run_name(suffix)
     if check_bucket:
         _check_storage_from_client(spec, target)
     jobs = client(target)
+    nodes = live_nodes(target)
+    _check_fits(spec, target, nodes or [], spec_source)
     running = [j for j in _run_jobs(jobs, run_name) if j.status not in TERMINAL]
     if running:
         raise UserError(
@@ -109,25 +122,50 @@ def submit(
         submission_id=job_id,
         runtime_env=runtime_env,
         metadata={RUN_METADATA_KEY: run_name, "elastic_job": spec.name},
-        entrypoint_label_selector=driver_placement(target),
+        entrypoint_label_selector=driver_placement(target, nodes),
     )
     return Submitted(job_id=job_id, run_name=run_name, address=target.address)
 
 
-def driver_placement(target: Target) -> dict[str, str] | None:
+def live_nodes(target: Target) -> list[NodeView] | None:
+    """The cluster's live nodes (labels and total resources) from Ray's state API; None if it cannot say (a
+    minimal dashboard, an old Ray)."""
+    try:
+        from ray.util.state import list_nodes  # ray only when a cluster is asked: the CLI starts fast
+
+        nodes = list_nodes(address=target.address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+    except Exception:  # the state API is unavailable: the callers fall back to Ray's defaults
+        return None
+    return [
+        NodeView(node_id=n.node_id, labels=dict(n.labels or {}), available={}, total=dict(n.resources_total or {}))
+        for n in nodes
+    ]
+
+
+def _check_fits(spec: JobSpec, target: Target, nodes: list[NodeView], spec_source: str | None) -> None:
+    """Refuse workers the local stack can never hold (its nodes are all it has); on another cluster only warn, as
+    its autoscaler may add nodes of a type not running now."""
+    verdict = check_feasible(spec.workers, nodes)
+    if verdict.problem is None:
+        return
+    line = f"{spec_source or spec.name}: {verdict.problem}"
+    if target.local is not None:
+        raise UserError(f"{line} (the local stack: `elastic local up --help` sizes its nodes)")
+    logger.warning("%s (submitting anyway: the cluster may add nodes)", line)
+
+
+def driver_placement(target: Target, nodes: list[NodeView] | None = None) -> dict[str, str] | None:
     """Where the job driver runs: never on spot. With no resources or selector, Ray Jobs already pins drivers to
     the head, unless the cluster sets RAY_JOB_ALLOW_DRIVER_ON_WORKER_NODES=1; an explicit selector for the
     labeled on-demand head holds either way. The driver's node also hosts the Ray Train controller (Ray attaches
     it to the driver's node) and a Tune controller (it runs in the driver). A cluster without the labels keeps
-    Ray's default: a selector nothing matches would leave the job pending forever."""
+    Ray's default: a selector nothing matches would leave the job pending forever; so does a cluster whose nodes
+    the state API cannot list. `nodes`: the live nodes, when the caller has just read them."""
+    nodes = nodes if nodes is not None else live_nodes(target)
     selector = labels.driver_selector()
-    try:
-        from ray.util.state import list_nodes  # as above
-
-        nodes = list_nodes(address=target.address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
-    except Exception:  # the state API is unavailable (minimal dashboard, old Ray): leave Ray's default
+    if nodes is None:
         return None
-    return selector if any(labels.matches(node.labels or {}, selector) for node in nodes) else None
+    return selector if any(labels.matches(node.labels, selector) for node in nodes) else None
 
 
 def follow(target: Target, job_id: str, out=sys.stdout) -> str:

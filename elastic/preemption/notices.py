@@ -148,7 +148,7 @@ class AwsSource:
                         deadline=when,
                     )
                 )
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, OverflowError):  # OverflowError: a time past year 9999
                 malformed.append((self.ACTION, resp.body))
         resp = self._get(self.REBALANCE)
         if resp.status == 200:
@@ -289,15 +289,19 @@ class AzureSource:
             raise _unexpected(f"GET {self.EVENTS}", resp)
         try:
             doc = json.loads(resp.body)
-            incarnation, events = doc["DocumentIncarnation"], list(doc.get("Events") or [])
+            incarnation, events = doc["DocumentIncarnation"], doc.get("Events") or []
+            if not isinstance(incarnation, int) or not isinstance(events, list):
+                raise TypeError("DocumentIncarnation must be a number and Events a list")
         except (ValueError, KeyError, TypeError, AttributeError):
             return Poll(malformed=((self.EVENTS, resp.body),))
         # The incarnation changes whenever the event list does; events are keyed by EventId, so an unchanged
         # document never produces a second drain, and a changed one is read in full.
         self.incarnation = incarnation
-        notices = []
+        notices, malformed = [], []
         for event in events:
-            if not isinstance(event, dict) or "EventId" not in event:
+            if not _well_formed_azure_event(event):
+                # One broken event must not hide a well-formed Preempt next to it: skip just this one.
+                malformed.append((self.EVENTS, json.dumps(event, sort_keys=True)))
                 continue
             resources = event.get("Resources") or []
             if self.vm_name and resources and self.vm_name not in resources:
@@ -326,7 +330,7 @@ class AzureSource:
                         f"NotBefore {event.get('NotBefore') or '-'}): not a preemption, no drain",
                     )
                 )
-        return Poll(tuple(notices))
+        return Poll(tuple(notices), tuple(malformed))
 
     def acknowledge(self, notice: Notice) -> None:
         """Approve the event (StartRequests): tells Azure we are ready, so it may go ahead before NotBefore."""
@@ -338,12 +342,25 @@ class AzureSource:
             raise _unexpected(f"POST {self.EVENTS}", resp)
 
 
+def _well_formed_azure_event(event) -> bool:
+    """An event this watcher can act on: a mapping with a scalar EventId, string type/status, Resources a list of
+    VM names, NotBefore a string (an HTTP date, or empty once the event started)."""
+    return (
+        isinstance(event, dict)
+        and isinstance(event.get("EventId"), (str, int))
+        and not isinstance(event.get("EventId"), bool)
+        and all(isinstance(event.get(k), (str, type(None))) for k in ("EventType", "EventStatus", "NotBefore"))
+        and isinstance(event.get("Resources"), (list, type(None)))
+        and all(isinstance(r, str) for r in event.get("Resources") or [])
+    )
+
+
 def _parse_http_date(text) -> float | None:
     if not text:
         return None
     try:
         return email.utils.parsedate_to_datetime(str(text)).timestamp()
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
 
 

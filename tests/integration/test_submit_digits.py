@@ -14,12 +14,20 @@ from pathlib import Path
 
 import boto3
 import pytest
-from conftest import ROOT
+from conftest import ROOT, Cli
 from observability_helpers import running_mlflow, running_prometheus
 
 from elastic.local.s3_faults import running_proxy
 
 pytestmark = pytest.mark.integration
+
+# Distinctive fake credentials the first job runs with (in the submitting CLI's environment and the job's):
+# none may show up in a log, the run folder or any --json output. Not real keys, and shaped unlike real ones.
+SECRETS = {
+    "AWS_ACCESS_KEY_ID": "ELASTICFAKEACCESSKEYID7Q2Z",
+    "AWS_SECRET_ACCESS_KEY": "elastic-fake-secret-access-key-9xQ2vLk7Tz4Wm",
+    "RAY_AUTH_TOKEN": "elastic-fake-ray-auth-token-5h8k2p3d",
+}
 
 RUN_SUFFIX = "it"
 RUN_NAME = f"digits-ddp-{RUN_SUFFIX}"
@@ -79,10 +87,27 @@ def test_local_up_reports_labeled_nodes_and_bucket(stack, stack_env, prometheus)
     s3(stack_env).head_bucket(Bucket=stack["bucket"])  # raises if the bucket is missing
 
 
+def leaked(text: str | bytes) -> list[str]:
+    data = text.encode() if isinstance(text, str) else text
+    return [name for name, value in SECRETS.items() if value.encode() in data]
+
+
 def test_submit_trains_on_spot_nodes_and_checkpoints_to_s3(stack, stack_env):
     cli = stack["cli"]
-    proc = cli.run(
-        "submit", "jobs/digits_ddp.yaml", "--suffix", RUN_SUFFIX, "--set", "config.epochs=3", "--follow", check=True
+    # The job runs with credentials in its environment, passed the way a user would (runtime_env.env_vars); the
+    # CLI that submits it has them too. No secret may leak: checked at the end of this test.
+    with_secrets = Cli({**cli.env, **SECRETS})
+    secret_vars = [f"--set=runtime_env.env_vars.{name}={value}" for name, value in SECRETS.items()]
+    proc = with_secrets.run(
+        "submit",
+        "jobs/digits_ddp.yaml",
+        "--suffix",
+        RUN_SUFFIX,
+        "--set",
+        "config.epochs=3",
+        *secret_vars,
+        "--follow",
+        check=True,
     )
     assert "SUCCEEDED" in proc.stdout
     spot_ids = {n["node_id"] for n in stack["nodes"] if n["market"] == "spot"}
@@ -108,6 +133,27 @@ def test_submit_trains_on_spot_nodes_and_checkpoints_to_s3(stack, stack_env):
     assert result["status"] == "SUCCEEDED"
     assert result["metrics"]["step"] == 69
     assert result["metrics"]["accuracy"] > 0.8
+
+    # No secret in: the job's logs as streamed and as `elastic logs` prints them (our driver's and workers' log
+    # lines among them), any file of the run folder (checkpoints, ledgers, summary, control files, Ray Train's
+    # run state), or the --json outputs.
+    outputs = {
+        "submit --follow": proc.stdout + proc.stderr,
+        "logs": with_secrets.run("logs", RUN_NAME, check=True).stdout,
+        "status --json": with_secrets.run("status", RUN_NAME, "--json", check=True).stdout,
+        "checkpoints ls --json": json.dumps(listing),
+        "spec check": with_secrets.run("spec", "check", "jobs/digits_ddp.yaml", *secret_vars, check=True).stdout,
+    }
+    assert {name: leaked(text) for name, text in outputs.items() if leaked(text)} == {}
+    client = s3(stack_env)
+    run_keys = list_keys(stack_env, stack["bucket"], f"runs/{RUN_NAME}/")
+    objects = {key: client.get_object(Bucket=stack["bucket"], Key=key)["Body"].read() for key in run_keys}
+    assert len(objects) > 10
+    assert {key: leaked(data) for key, data in objects.items() if leaked(data)} == {}
+    # ... nor in the files of the stack's home: our daemons' logs (watchers, metadata servers), the stack's state.
+    home = Path(cli.env["ELASTIC_HOME"])
+    files = [p for p in home.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert files and {str(p): leaked(p.read_bytes()) for p in files if leaked(p.read_bytes())} == {}
 
 
 def test_resubmitting_the_same_job_resumes_its_run(stack, stack_env):
@@ -364,6 +410,9 @@ def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env, promethe
         (["--set", "checkpoint.uri=s3://no-such-bucket/runs"], "bucket 'no-such-bucket' does not exist"),
         (["--address", "http://127.0.0.1:9"], "cannot reach the Ray job API at http://127.0.0.1:9"),
         (["--set", "entrypoint=jobs/digits_ddp.py:no_such_function"], "defines no function 'no_such_function'"),
+        # More workers than the stack's nodes can ever hold: refused with the numbers, not left waiting.
+        (["--set", "workers.min=50", "--set", "workers.max=50"], "50 workers of 1 CPU each do not fit"),
+        (["--set", "workers.gpus=8"], "one worker needs 1 CPU + 8 GPU but the largest"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(stack, args, expected):

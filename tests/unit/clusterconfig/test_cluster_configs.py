@@ -653,7 +653,7 @@ def test_unreadable_inputs_exit_2_with_one_line(tmp_path):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("provider: {type: aws\n")
     for path, text in [
-        (tmp_path / "missing.yaml", "cannot read it"),
+        (tmp_path / "missing.yaml", "no such cluster config; check the path"),
         (bad_yaml, "not valid YAML"),
         (ROOT / "jobs" / "digits_ddp.yaml", "no provider.type and not a RayCluster manifest"),
     ]:

@@ -524,6 +524,28 @@ def test_scalar_env_vars_become_the_strings_a_process_environment_holds():
     assert spec.runtime_env.env_vars == {"A": "1", "B": "true", "C": "0.5"}
 
 
+def test_spec_check_never_echoes_credentials(tmp_path):
+    secret = "elastic-fake-secret-value-3k9"
+    result = _cli(
+        [
+            "spec",
+            "check",
+            str(DIGITS),
+            f"--set=runtime_env.env_vars.AWS_SECRET_ACCESS_KEY={secret}",
+            f"--set=runtime_env.env_vars.RAY_AUTH_TOKEN={secret}",
+            "--set=runtime_env.env_vars.NCCL_DEBUG=INFO",
+        ],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert secret not in result.stdout + result.stderr
+    assert json.loads(result.stdout)["runtime_env"]["env_vars"] == {
+        "AWS_SECRET_ACCESS_KEY": "<redacted>",
+        "RAY_AUTH_TOKEN": "<redacted>",
+        "NCCL_DEBUG": "INFO",  # not a credential: shown
+    }
+
+
 @pytest.mark.parametrize(
     ("uri", "package", "extra"), [("gs://b/runs", "gcsfs", "gcp"), ("az://c/runs", "adlfs", "azure")]
 )
