@@ -27,7 +27,8 @@ from elastic.config.sweep_spec import SweepSpec
 from elastic.errors import ClusterError
 from elastic.storage import fsspec_filesystem, parse_uri
 from elastic.sweep import packing
-from elastic.sweep.runner import TRIAL_FILE, _read_json, market_gpus, run_sweep
+from elastic.sweep.layout import TRIAL_FILE, read_json
+from elastic.sweep.runner import market_gpus, run_sweep
 from elastic.worker.sharing import GPUS_FILE
 
 BARRIER = "barrier"
@@ -172,8 +173,8 @@ def summarize_concurrency(
     intervals, driver_delay, startup, per_gpu = [], [], [], {}
     for trial in result["trials"]:
         run = parse_uri(uri).child(name, "train", f"{name}-{trial['trial_id']}")
-        record = _read_json(run.child(TRIAL_FILE).uri) or {}
-        gpus_seen = _read_json(run.child(GPUS_FILE).uri) or []
+        record = read_json(run.child(TRIAL_FILE).uri) or {}
+        gpus_seen = read_json(run.child(GPUS_FILE).uri) or []
         for entry in gpus_seen:
             for gpu in entry["gpus"]:
                 per_gpu.setdefault(f"{entry['node'][:8]}:{gpu}", []).append(trial["trial_id"])

@@ -1,14 +1,10 @@
 """`elastic sweep`: Ray Tune over Ray Train V2, with trials packed onto shared GPUs.
 
-Each trial is a function trainable (its "driver": a small CPU fraction, on an on-demand node) that runs one
-TorchTrainer under a deterministic run name, `<sweep>-<trial id>`, so a restarted trial resumes from its own
-checkpoints. Its workers ask for the planned GPU share each and follow the job's market. An out-of-memory
-trial is retried, by its driver, with a bigger share (elastic.sweep.packing.bigger_share) and resumes from its last
-checkpoint. The experiment lives in storage: running the same sweep again restores it (Tuner.restore).
-
-Layout in storage: <root>/<sweep>/ is Tune's experiment folder; <root>/<sweep>/elastic-sweep.json holds the
-packing plan (so a restored sweep keeps it); trial runs live in <root>/<sweep>/train/<run name>/ with
-`elastic-trial.json` (attempts, shares, the checkpoint step each attempt resumed from).
+Each trial is a function trainable (elastic.sweep.trial: its "driver", a small CPU fraction on an on-demand
+node) that runs one TorchTrainer under a deterministic run name, `<sweep>-<trial id>`, so a restarted trial
+resumes from its own checkpoints. Its workers ask for the planned GPU share each and follow the job's market.
+The experiment lives in storage (elastic.sweep.layout): running the same sweep again restores it
+(Tuner.restore). This module plans the share (probe or spec), builds and runs the Tuner, and reports.
 """
 
 from __future__ import annotations
@@ -16,62 +12,44 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import re
-import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
-from ray.tune import Callback
-
-from elastic.checkpoint.store import CheckpointStore, run_directory
+from elastic.checkpoint.store import run_directory
 from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import SweepSpec, _example_value, trial_job
 from elastic.driver.fitting import fit_run
-from elastic.driver.run_ledger import end_run_ledger, start_run_ledger
 from elastic.driver.submit import DEFAULT_EXCLUDES
-from elastic.errors import ClusterError, TrialOutOfMemory, UserError
+from elastic.errors import ClusterError, UserError
 from elastic.local import stack as local
 from elastic.observability.tracking import MlflowRuns, sweep_parent_run
 from elastic.placement.labels import MARKET_LABEL, matches, worker_selector
-from elastic.storage import fsspec_filesystem, parse_uri, pyarrow_filesystem
+from elastic.storage import parse_uri, pyarrow_filesystem
 from elastic.sweep import packing
+from elastic.sweep.layout import PLAN_FILE, TRIAL_FILE, experiment_uri, read_json, train_root, write_json
 from elastic.sweep.ledger import end_sweep_ledger, start_sweep_ledger
-from elastic.worker.sharing import OOM_FILE, PROBE_FILE, TrialSharing, read_marker
+from elastic.sweep.progress import Progress, SchedulerState
+from elastic.sweep.trial import trial_main
+from elastic.worker.sharing import PROBE_FILE, TrialSharing
 
 log = logging.getLogger(__name__)
 
-PLAN_FILE = "elastic-sweep.json"
-TRIAL_FILE = "elastic-trial.json"
+_TUNE_KEYS = {
+    "timestamp",
+    "time_this_iter_s",
+    "time_total_s",
+    "pid",
+    "time_since_restore",
+    "iterations_since_restore",
+    "training_iteration",
+}
+
 GB = 1024**3
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Storage layout
-
-
-def experiment_uri(sweep: SweepSpec, job: JobSpec) -> str:
-    return parse_uri(sweep.storage or job.checkpoint.uri).child(sweep.name).uri
-
-
-def train_root(sweep: SweepSpec, job: JobSpec) -> str:
-    return parse_uri(experiment_uri(sweep, job)).child("train").uri
-
-
-def _read_json(uri: str) -> Any:
-    fs, path = fsspec_filesystem(uri)
-    if not fs.exists(path):
-        return None
-    with fs.open(path, "r") as handle:
-        return json.load(handle)
-
-
-def _write_json(uri: str, data: Any) -> None:
-    fs, path = fsspec_filesystem(uri)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(path, "w") as handle:
-        json.dump(data, handle, indent=2, default=str)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -81,7 +59,7 @@ def _write_json(uri: str, data: Any) -> None:
 def prepare_plan(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> dict:
     """The packing plan of this sweep: read back from storage when the sweep is restored, else planned now."""
     uri = parse_uri(experiment_uri(sweep, job)).child(PLAN_FILE).uri
-    saved = _read_json(uri)
+    saved = read_json(uri)
     if saved is not None:
         say(
             f"packing plan from {uri}: {saved['plan']['trials_per_gpu']} per GPU, share "
@@ -105,7 +83,7 @@ def prepare_plan(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> 
         "probe": probe.to_json() if probe else None,
         "strategy": packing.rank_placement(job.workers.max_workers, plan.share),
     }
-    _write_json(uri, saved)
+    write_json(uri, saved)
     say(
         f"packing plan: {plan.trials_per_gpu} trial(s) per GPU, share {plan.share}, memory cap "
         f"{plan.memory_fraction:.2%} per process, ranks {saved['strategy']} ({plan.reason})"
@@ -150,7 +128,7 @@ def run_probe(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> pac
             ),
         )
         run_uri = run_directory(probe_job, run_name)
-        measured = _read_json(parse_uri(run_uri).child(PROBE_FILE).uri) or {}
+        measured = read_json(parse_uri(run_uri).child(PROBE_FILE).uri) or {}
         say(f"probe: done in {time.monotonic() - started:.0f} s: {json.dumps(measured)}")
     if measured.get("cuda"):
         return packing.Probe(measured["peak_bytes"], measured["device_bytes"], measured["step_seconds"], "measured")
@@ -163,95 +141,6 @@ def run_probe(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> pac
 
 # ---------------------------------------------------------------------------------------------------------
 # The trial driver (a Tune function trainable)
-
-
-def trial_main(config: dict, setup: dict) -> None:
-    """One trial: the job with this trial's parameters, fitted under `<sweep>-<trial id>`; retried with a bigger
-    GPU share after an out-of-memory error; resumed from the run's checkpoints whenever it starts again. The
-    trial's run ledger (elastic.ledger) records it like a run."""
-    from ray import tune
-
-    trial_id = tune.get_context().get_trial_id()
-    run_name = f"{setup['sweep']}-{trial_id}"
-    run_uri = run_directory(_trial_spec(config, setup), run_name)
-    started = time.time()
-    ledger = start_run_ledger(run_uri, run_name, JobSpec.model_validate(setup["job"]), kind_of_run="trial")
-    status, error = "FAILED", None
-    try:
-        _run_trial(config, setup, trial_id, run_name, run_uri, ledger)
-        status = "SUCCEEDED"
-    except BaseException as err:  # recorded in the trial's ledger, then raised to Tune as before
-        error = f"{type(err).__name__}: {err}"
-        raise
-    finally:
-        end_run_ledger(ledger, run_uri, started, status, error)
-
-
-def _trial_spec(config: dict, setup: dict) -> JobSpec:
-    """The sweep's job with this trial's parameters, its runs under the sweep's train root."""
-    job = trial_job(JobSpec.model_validate(setup["job"]), config)
-    return job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"uri": setup["train_root"]})})
-
-
-def _run_trial(config: dict, setup: dict, trial_id: str, run_name: str, run_uri: str, ledger) -> None:
-    job = _trial_spec(config, setup)
-    record_uri = parse_uri(run_uri).child(TRIAL_FILE).uri
-    record = _read_json(record_uri) or {"run_name": run_name, "params": config, "attempts": [], "ooms": []}
-    if record.get("finished"):
-        return  # finished before the sweep's driver died, after Tune last saved its state: nothing to redo
-    plan = setup["plan"]
-    share = record["attempts"][-1]["share"] if record["attempts"] else plan["share"]
-    store = CheckpointStore(run_uri)
-    fs, _ = fsspec_filesystem(run_uri)
-    while True:
-        latest = store.latest_committed()
-        record["attempts"].append(
-            {"share": share, "resumed_from": latest.step if latest else None, "started": time.time()}
-        )
-        _write_json(record_uri, record)
-        fraction = packing.memory_cap(plan["memory_fraction"] * share / plan["share"])
-        sharing = TrialSharing(
-            share=share, memory_fraction=fraction, strategy=packing.rank_placement(job.workers.max_workers, share)
-        )
-        failure: BaseException | None = None
-        try:
-            # workers.gpus = the share: spot-first's capacity checks count GPU shares too
-            fit_run(
-                job.model_copy(update={"workers": job.workers.model_copy(update={"gpus": share})}),
-                run_name,
-                run_uri,
-                [],
-                sharing,
-                ledger=ledger,
-            )
-        except Exception as err:  # the run's failure; an OOM marker decides whether it is retried
-            failure = err
-        record["attempts"][-1]["ended"] = time.time()
-        oom = read_marker(fs, f"{store.root}/{OOM_FILE}", clear=True)
-        if oom is None:
-            if failure is not None:
-                raise failure
-            record["finished"] = time.time()
-            _write_json(record_uri, record)
-            return
-        record["ooms"].append(oom)
-        if share >= 1 or len(record["ooms"]) > setup["max_oom_retries"]:
-            _write_json(record_uri, record)
-            raise TrialOutOfMemory(
-                f"trial {trial_id} ran out of memory at GPU share {share} "
-                f"({len(record['ooms'])} time(s)): {oom.get('error')}"
-            )
-        share = packing.bigger_share(share)
-        log.warning(
-            "trial %s: out of memory at step %s; retrying with GPU share %s from its last checkpoint",
-            trial_id,
-            oom.get("step"),
-            share,
-        )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Tune
 
 
 def param_space(sweep: SweepSpec) -> dict:
@@ -406,7 +295,7 @@ def report(sweep: SweepSpec, job: JobSpec, results, saved: dict, seconds: float)
         found = re.search(r"_([0-9a-f]{5}_\d{5})(?:_|$)", os.path.basename(str(result.path)))
         trial_id = metrics.get("trial_id") or (found.group(1) if found else None)
         record = (
-            _read_json(parse_uri(train_root(sweep, job)).child(f"{sweep.name}-{trial_id}", TRIAL_FILE).uri)
+            read_json(parse_uri(train_root(sweep, job)).child(f"{sweep.name}-{trial_id}", TRIAL_FILE).uri)
             if trial_id
             else None
         )
@@ -457,73 +346,6 @@ def report(sweep: SweepSpec, job: JobSpec, results, saved: dict, seconds: float)
         "errors": sum(t["state"] == "ERROR" for t in trials),
         "seconds": round(seconds, 1),
     }
-
-
-_TUNE_KEYS = {
-    "timestamp",
-    "time_this_iter_s",
-    "time_total_s",
-    "pid",
-    "time_since_restore",
-    "iterations_since_restore",
-    "training_iteration",
-}
-
-
-class Progress(Callback):
-    """Live progress: one line per trial event on stderr (Tune's own table is turned off)."""
-
-    def on_trial_start(self, iteration, trials, trial, **info):
-        _line(f"trial {trial.trial_id} started {_short(trial.config)} ({_count(trials, 'RUNNING')} running)")
-
-    def on_trial_result(self, iteration, trials, trial, result, **info):
-        shown = {k: result[k] for k in ("training_iteration", "step", "loss", "accuracy") if k in result}
-        _line(f"trial {trial.trial_id} {_short(shown)}")
-
-    def on_trial_complete(self, iteration, trials, trial, **info):
-        _line(
-            f"trial {trial.trial_id} finished ({_count(trials, 'TERMINATED')} done, "
-            f"{_count(trials, 'RUNNING')} running)"
-        )
-
-    def on_trial_error(self, iteration, trials, trial, **info):
-        _line(f"trial {trial.trial_id} FAILED: {str(getattr(trial, 'error_msg', '') or '')[:160]}")
-
-
-class SchedulerState(Callback):
-    """Carries ASHA's rungs across a restore. Tune checkpoints the searcher and callbacks with the experiment but
-    not the scheduler: Tuner.restore unpickles it from tuner.pkl as it was before the first trial, so a resumed
-    sweep would forget every rung result and let a bad trial that reaches a rung first run to the end. Riding
-    along as a callback, the rungs are saved with each experiment checkpoint and put back on restore (the
-    callback and the scheduler come out of the same tuner.pkl, so this still points at Tune's scheduler)."""
-
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
-
-    def get_state(self) -> dict | None:
-        from ray.tune.schedulers import AsyncHyperBandScheduler
-
-        # PBT keys its state by Trial objects, which a restore recreates; only ASHA's plain state carries over.
-        if not isinstance(self.scheduler, AsyncHyperBandScheduler):
-            return None
-        return {"asha": pickle.dumps(self.scheduler.__dict__)}  # a snapshot: later results don't leak into it
-
-    def set_state(self, state: dict) -> None:
-        if state.get("asha") is not None:
-            self.scheduler.__dict__.update(pickle.loads(state["asha"]))
-
-
-def _line(text: str) -> None:
-    sys.stderr.write(f"[sweep {time.strftime('%H:%M:%S')}] {text}\n")
-    sys.stderr.flush()
-
-
-def _short(values: dict) -> str:
-    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
-
-
-def _count(trials, status: str) -> int:
-    return sum(t.status == status for t in trials)
 
 
 # ---------------------------------------------------------------------------------------------------------

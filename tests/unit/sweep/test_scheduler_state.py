@@ -9,7 +9,8 @@ import ray.cloudpickle as cloudpickle
 from ray.tune.schedulers import TrialScheduler
 
 from elastic.config.sweep_spec import parse_sweep_spec
-from elastic.sweep.runner import SchedulerState, scheduler
+from elastic.sweep.progress import SchedulerState
+from elastic.sweep.runner import scheduler
 
 SWEEP = """\
 name: s

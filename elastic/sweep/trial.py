@@ -1,0 +1,110 @@
+"""A sweep trial's driver: the function trainable Tune runs for each trial. It fits the job with the trial's
+parameters under `<sweep>-<trial id>`, retries it with a bigger GPU share after an out-of-memory error
+(elastic.sweep.packing.bigger_share), and resumes from the run's checkpoints whenever it starts again."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from elastic.checkpoint.store import CheckpointStore, run_directory
+from elastic.config.spec import JobSpec
+from elastic.config.sweep_spec import trial_job
+from elastic.driver.fitting import fit_run
+from elastic.driver.run_ledger import end_run_ledger, start_run_ledger
+from elastic.errors import TrialOutOfMemory
+from elastic.storage import fsspec_filesystem, parse_uri
+from elastic.sweep import packing
+from elastic.sweep.layout import TRIAL_FILE, read_json, write_json
+from elastic.worker.sharing import OOM_FILE, TrialSharing, read_marker
+
+log = logging.getLogger(__name__)
+
+
+def trial_main(config: dict, setup: dict) -> None:
+    """One trial: the job with this trial's parameters, fitted under `<sweep>-<trial id>`; retried with a bigger
+    GPU share after an out-of-memory error; resumed from the run's checkpoints whenever it starts again. The
+    trial's run ledger (elastic.ledger) records it like a run."""
+    from ray import tune
+
+    trial_id = tune.get_context().get_trial_id()
+    run_name = f"{setup['sweep']}-{trial_id}"
+    run_uri = run_directory(_trial_spec(config, setup), run_name)
+    started = time.time()
+    ledger = start_run_ledger(run_uri, run_name, JobSpec.model_validate(setup["job"]), kind_of_run="trial")
+    status, error = "FAILED", None
+    try:
+        _run_trial(config, setup, trial_id, run_name, run_uri, ledger)
+        status = "SUCCEEDED"
+    except BaseException as err:  # recorded in the trial's ledger, then raised to Tune as before
+        error = f"{type(err).__name__}: {err}"
+        raise
+    finally:
+        end_run_ledger(ledger, run_uri, started, status, error)
+
+
+def _trial_spec(config: dict, setup: dict) -> JobSpec:
+    """The sweep's job with this trial's parameters, its runs under the sweep's train root."""
+    job = trial_job(JobSpec.model_validate(setup["job"]), config)
+    return job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"uri": setup["train_root"]})})
+
+
+def _run_trial(config: dict, setup: dict, trial_id: str, run_name: str, run_uri: str, ledger) -> None:
+    job = _trial_spec(config, setup)
+    record_uri = parse_uri(run_uri).child(TRIAL_FILE).uri
+    record = read_json(record_uri) or {"run_name": run_name, "params": config, "attempts": [], "ooms": []}
+    if record.get("finished"):
+        return  # finished before the sweep's driver died, after Tune last saved its state: nothing to redo
+    plan = setup["plan"]
+    share = record["attempts"][-1]["share"] if record["attempts"] else plan["share"]
+    store = CheckpointStore(run_uri)
+    fs, _ = fsspec_filesystem(run_uri)
+    while True:
+        latest = store.latest_committed()
+        record["attempts"].append(
+            {"share": share, "resumed_from": latest.step if latest else None, "started": time.time()}
+        )
+        write_json(record_uri, record)
+        fraction = packing.memory_cap(plan["memory_fraction"] * share / plan["share"])
+        sharing = TrialSharing(
+            share=share, memory_fraction=fraction, strategy=packing.rank_placement(job.workers.max_workers, share)
+        )
+        failure: BaseException | None = None
+        try:
+            # workers.gpus = the share: spot-first's capacity checks count GPU shares too
+            fit_run(
+                job.model_copy(update={"workers": job.workers.model_copy(update={"gpus": share})}),
+                run_name,
+                run_uri,
+                [],
+                sharing,
+                ledger=ledger,
+            )
+        except Exception as err:  # the run's failure; an OOM marker decides whether it is retried
+            failure = err
+        record["attempts"][-1]["ended"] = time.time()
+        oom = read_marker(fs, f"{store.root}/{OOM_FILE}", clear=True)
+        if oom is None:
+            if failure is not None:
+                raise failure
+            record["finished"] = time.time()
+            write_json(record_uri, record)
+            return
+        record["ooms"].append(oom)
+        if share >= 1 or len(record["ooms"]) > setup["max_oom_retries"]:
+            write_json(record_uri, record)
+            raise TrialOutOfMemory(
+                f"trial {trial_id} ran out of memory at GPU share {share} "
+                f"({len(record['ooms'])} time(s)): {oom.get('error')}"
+            )
+        share = packing.bigger_share(share)
+        log.warning(
+            "trial %s: out of memory at step %s; retrying with GPU share %s from its last checkpoint",
+            trial_id,
+            oom.get("step"),
+            share,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tune
