@@ -49,6 +49,7 @@ from elastic.worker.optimizer_step import (
 )
 from elastic.worker.placement_watch import placement_watch
 from elastic.worker.reporting import CommitReports
+from elastic.worker.restore import retire_unreadable, shared_restorable_steps
 from elastic.worker.run_ledger import attempt_ledger
 from elastic.worker.telemetry import Telemetry
 from elastic.worker.tracking import SessionTracking
@@ -269,7 +270,7 @@ class Session:
         """Load the latest committed checkpoint of this run, if any; when it cannot be read, the one before it
         (a log line says so). Returns the step to continue from."""
         self._attempt.restoring()
-        committed = self._committed_steps()
+        committed = shared_restorable_steps(self.store, self.rank, self._checkpoint_group)
         if self._checkpoint_group is not None:
             dist.barrier(group=self._checkpoint_group)
         self._ending.watch.running(self.world_size)
@@ -281,7 +282,7 @@ class Session:
         step, state = self.checkpointer.load_newest(committed, self._state.template)
         self._state.load_state_dict(state)
         if self.is_chief and step != max(committed):
-            self._retire_newer_than(step, committed)
+            retire_unreadable(self.store, step, committed, self.log)
         self._start_ledger(step)
         self.restored_step = self._last_saved_step = self.step_count
         info = self.store.info(step)
@@ -293,25 +294,6 @@ class Session:
             f"{info.world_size} workers, now {self.world_size})"
         )
         return self.step_count
-
-    def _committed_steps(self) -> list[int]:
-        """Rank 0's listing (elastic.checkpoint.store.restorable_steps), shared: the ranks' loads are
-        collective and must try the same checkpoints in the same order."""
-        shared = [self.store.restorable_steps() if self.is_chief else []]
-        if self._checkpoint_group is not None and dist.is_initialized():
-            dist.broadcast_object_list(shared, src=0, group=self._checkpoint_group)
-        return shared[0]
-
-    def _retire_newer_than(self, step: int, committed: list[int]) -> None:
-        """After a fall back to `step`, the newer checkpoints that could not be read are retired: the run now
-        goes on from `step`, and a later restore must not jump ahead to a checkpoint of the abandoned history
-        (its sample records were superseded). Best effort: the store may still be failing."""
-        for newer in (s for s in committed if s > step):
-            try:
-                self.store.retire(newer)
-                self.log(f"retired checkpoint at step {newer}: it could not be read, the run goes on from {step}")
-            except Exception as err:  # storage errors vary by backend; the run goes on either way
-                _log.warning("could not retire unreadable checkpoint at step %d: %s", newer, err)
 
     # -- training loop
     def optimize(self, loss: torch.Tensor, metrics: dict | None = None) -> bool:
