@@ -5,8 +5,8 @@ BIN := $(VENV)/bin
 # The CPU build of torch, pinned here (not in pyproject) so the install stays small on CPU machines;
 # override on a GPU box, e.g. `make install TORCH_SPEC='torch==2.13.0'` from the CUDA index.
 TORCH_SPEC ?= torch==2.13.0
-# One auth mode for every Ray process, driver and CLI call of the local stack (README: Development notes).
-export RAY_AUTH_MODE ?= disabled
+# No RAY_AUTH_MODE here: the local stack runs with Ray token auth and hands its mode and token to every process
+# and client it starts (`elastic local env` prints them).
 
 .PHONY: install demo lint test test-unit test-integration down clean
 

@@ -8,6 +8,7 @@ import click
 from rich.console import Console
 
 console = Console(stderr=False, highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)  # progress, so stdout stays parseable
 
 
 def print_json(data) -> None:

@@ -67,8 +67,8 @@ def resolve_target(address: str | None) -> Target:
 def client(target: Target):
     """A JobSubmissionClient for the target; one line and exit 2 if it cannot be reached."""
     if target.local is not None:
-        # Our local stack decides its auth mode; CLI and cluster must agree (Ray 2.59+ turns token auth on).
-        os.environ.update({k: v for k, v in target.local.env().items() if k == "RAY_AUTH_MODE"})
+        # Our local stack decides its auth mode and token; CLI and cluster must agree.
+        target.local.use_ray()
     from ray.job_submission import JobSubmissionClient  # ray only when a cluster is asked: the CLI starts fast
 
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -40,9 +41,19 @@ class Cli:
         return proc
 
 
+# One Ray token for every stack of this test session, made at run time. Each stack keeps its token in its own
+# home; Ray's client in this process caches the token it read first, so the stacks share the same one.
+SESSION_TOKEN = secrets.token_hex(32)
+
+
 def make_cli(home: Path) -> Cli:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_")) and k != "ELASTIC_HOME"}
     env["ELASTIC_HOME"] = str(home)
+    token = home / "local" / "auth_token"
+    if not token.exists():
+        token.parent.mkdir(parents=True, exist_ok=True)
+        token.write_text(SESSION_TOKEN)
+        token.chmod(0o600)
     return Cli(env)
 
 
