@@ -149,6 +149,11 @@ def follow(target: Target, job_id: str, out=sys.stdout) -> str:
     return status
 
 
+def job_message(target: Target, job_id: str) -> str:
+    """Ray's one-line message for the job (why it failed, or that it succeeded)."""
+    return client(target).get_job_info(job_id).message or ""
+
+
 def list_runs(target: Target) -> list[dict]:
     """Jobs submitted by elastic, newest first."""
     jobs = client(target)

@@ -252,7 +252,7 @@ def up(
     logs = home_dir() / "local" / "logs"
     if logs.exists():
         shutil.rmtree(logs, ignore_errors=True)
-    ports = {"gcs": _free_port(), "dashboard": _free_port(), "s3": _free_port(), "client": _free_port()}
+    ports = {"gcs": free_port(), "dashboard": free_port(), "s3": free_port(), "client": free_port()}
     state = LocalState(
         marker=marker,
         temp_dir=temp_dir,
@@ -266,7 +266,7 @@ def up(
         auth_token_path=str(ensure_token()) if auth == "token" else "",
         s3_server=s3,
     )
-    s3_command = s3servers.command(s3, ports["s3"], home_dir() / "local" / "s3" / s3, _free_port)
+    s3_command = s3servers.command(s3, ports["s3"], home_dir() / "local" / "s3" / s3, free_port)
     state.use_ray()  # this process polls the stack's dashboard and state API too
     # Job entrypoints run `python -m elastic`: the stack's processes must find this interpreter first.
     env = {**state.env(), "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
@@ -312,12 +312,12 @@ def _start_node(ray_bin: str, node: NodePlan, state: LocalState, env: dict, logs
         f"--num-gpus={int(node.gpus)}",
         f"--object-store-memory={OBJECT_STORE_BYTES}",
         "--labels=" + ",".join(f"{k}={v}" for k, v in node.labels().items()),
-        f"--node-manager-port={_free_port()}",
-        f"--object-manager-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
-        f"--runtime-env-agent-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--node-manager-port={free_port()}",
+        f"--object-manager-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
     ]
     if node.role == HEAD_ROLE:
         args += [
@@ -346,7 +346,7 @@ def _start_spot_daemons(node: dict, state: LocalState, env: dict, logs: Path, ti
     protocol, served by elastic.local.metadata_server) and the `elastic watch-preemption` daemon polling it, which
     drains this node when `elastic preempt` announces a reclaim. Recorded on the node and in the roots, so
     `preempt` kills them with the node and `down` stops them."""
-    port = _free_port()
+    port = free_port()
     name = node["name"]
     metadata = processes.launch(
         [sys.executable, "-m", "elastic.local.metadata_server", "--provider", "aws", "--port", str(port)],
@@ -549,7 +549,7 @@ def status() -> dict:
 _handed_out: set[int] = set()  # ports given to daemons by this process, bound by them later or not yet
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A port free now and never handed out before by this process. The kernel may offer a port again as soon
     as our probe socket closes, and the daemons bind theirs seconds later: two components of one node were
     seen given the same port (Ray refused to start: "metrics_export is trying to use a port number ... that
