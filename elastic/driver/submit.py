@@ -17,6 +17,7 @@ from pathlib import Path
 
 from elastic.config.entrypoint import check_entrypoint
 from elastic.config.spec import JobSpec
+from elastic.driver.auth import auth_failure
 from elastic.driver.runs import run_directory
 from elastic.errors import ClusterError, UserError
 from elastic.local import stack as local
@@ -50,7 +51,9 @@ class Submitted:
 def resolve_target(address: str | None) -> Target:
     """--address, else RAY_API_SERVER_ADDRESS, else the local stack if it is up."""
     if address:
-        return Target(address, None)
+        state = local.running_state()
+        is_local = state is not None and state.dashboard_url == address.rstrip("/")
+        return Target(address, state if is_local else None)
     if os.environ.get("RAY_API_SERVER_ADDRESS"):
         state = local.running_state()
         is_local = state is not None and state.dashboard_url == os.environ["RAY_API_SERVER_ADDRESS"]
@@ -74,6 +77,9 @@ def client(target: Target):
     try:
         return JobSubmissionClient(target.address)
     except Exception as err:  # ConnectionError, auth errors, bad URLs: all mean "cannot use this address"
+        refused = auth_failure(err, f"the Ray job API at {target.address}")
+        if refused is not None:
+            raise refused from None
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ClusterError(
             f"cannot reach the Ray job API at {target.address} ({first[:160]}); "
