@@ -1,4 +1,6 @@
-"""`elastic local down` stops exactly what `up` started: nothing of the stack survives, nothing else dies."""
+"""`elastic local down` stops exactly what `up` started: nothing of the stack survives, nothing else dies. And
+whole-cluster loss: a run cut by `down` (no notice) resumes after `up` from its last committed checkpoint, which
+the on-disk bucket kept, and ends bit-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -9,12 +11,17 @@ import sys
 
 import psutil
 import pytest
+from run_helpers import Submission, assert_same_weights, final_tensors
 
 from elastic.local.processes import MARKER_VARIABLE
 
 pytestmark = pytest.mark.integration
 
 WORKER_LINE = re.compile(r"worker rank (\d+)/(\d+) on node ([0-9a-f]+) market=(\S+)")
+RESUMED_LINE = re.compile(r"resumed from checkpoint at step (\d+) ")
+# digits_ddp at a fixed 2 workers, on whatever nodes are free (the stack has one spot and one on-demand),
+# 138 steps with a checkpoint every 10: the cut lands well before the end.
+LOSS_JOB = ("--set", "workers.market=any", "--set", "config.epochs=6", "--set", "checkpoint.every_steps=10")
 
 
 def stack_pids(marker: str) -> list[int]:
@@ -31,8 +38,15 @@ def stack_pids(marker: str) -> list[int]:
 def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory):
     cli = cli_factory(tmp_path / "home")
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    cut: Submission | None = None
     try:
-        cli.run("local", "up", "--spot", "1", "--on-demand", "1", "--json", check=True, timeout=300)
+        stack = json.loads(
+            cli.run("local", "up", "--spot", "1", "--on-demand", "1", "--json", check=True, timeout=300).stdout
+        )
+        assert stack["auth"] == "token" and stack["s3_server"] == "seaweedfs"  # the defaults
+        # Whole-cluster loss, part 1: a run is partway (two checkpoints committed) when the stack goes down.
+        cut = Submission(cli, "--suffix", "loss", *LOSS_JOB)
+        cut.wait_for("checkpoint at step 20 committed")
         state = json.loads((tmp_path / "home" / "local" / "state.json").read_text())
         marker = state["marker"]
         pids = stack_pids(marker)
@@ -41,7 +55,7 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         assert roles == {"s3", "head", "on-demand-0", "spot-0", "metadata-spot-0", "watcher-spot-0"}
         spot = [n for n in state["nodes"] if n["name"] == "spot-0"][0]
         assert spot["metadata_url"].startswith("http://127.0.0.1:")
-        assert len(pids) >= 8  # ray start x3, gcs, raylets, dashboard, agents, moto...
+        assert len(pids) >= 8  # ray start x3, gcs, raylets, dashboard, agents, the S3 server...
 
         status = json.loads(cli.run("local", "status", "--json", check=True).stdout)
         assert status["running"] and all(status["processes"].values())
@@ -56,8 +70,25 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         again = cli.run("local", "down", check=True)
         assert "no local stack running" in again.stdout
         assert json.loads(cli.run("local", "status", "--json", check=True).stdout) == {"running": False}
+        cut.proc.kill()  # its `submit --follow` client lost the job API with the stack
+        cut.proc.wait(timeout=30)
+
+        # Part 2: up again (the bucket's objects are on disk), submit the same job: it resumes.
+        stack = json.loads(
+            cli.run("local", "up", "--spot", "1", "--on-demand", "1", "--json", check=True, timeout=300).stdout
+        )
+        last = final_tensors(stack, "digits-ddp-loss")["step"]  # the last checkpoint committed before the loss
+        assert 20 <= last < 138
+        resumed = Submission(cli, "--suffix", "loss", *LOSS_JOB).finish()
+        assert [int(m) for m in RESUMED_LINE.findall(resumed)][:1] == [last], resumed[-4000:]
+        Submission(cli, "--suffix", "base", *LOSS_JOB).finish()
+        interrupted, baseline = final_tensors(stack, "digits-ddp-loss"), final_tensors(stack, "digits-ddp-base")
+        assert baseline["step"] == 138
+        assert_same_weights(interrupted, baseline)
     finally:
         bystander.kill()
+        if cut is not None and cut.proc.poll() is None:
+            cut.proc.kill()
         cli.run("local", "down", timeout=120)
 
 
