@@ -20,8 +20,10 @@ pytestmark = pytest.mark.integration
 WORKER_LINE = re.compile(r"worker rank (\d+)/(\d+) on node ([0-9a-f]+) market=(\S+)")
 RESUMED_LINE = re.compile(r"resumed from checkpoint at step (\d+) ")
 # digits_ddp at a fixed 2 workers, on whatever nodes are free (the stack has one spot and one on-demand),
-# 138 steps with a checkpoint every 10: the cut lands well before the end.
-LOSS_JOB = ("--set", "workers.market=any", "--set", "config.epochs=6", "--set", "checkpoint.every_steps=10")
+# 230 steps with a checkpoint every 10: the cut (seconds after step 20, while `down` stops the stack) lands
+# well before the end.
+LOSS_JOB = ("--set", "workers.market=any", "--set", "config.epochs=10", "--set", "checkpoint.every_steps=10")
+LOSS_STEPS = 230
 
 
 def stack_pids(marker: str) -> list[int]:
@@ -44,9 +46,6 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
             cli.run("local", "up", "--spot", "1", "--on-demand", "1", "--json", check=True, timeout=300).stdout
         )
         assert stack["auth"] == "token" and stack["s3_server"] == "seaweedfs"  # the defaults
-        # Whole-cluster loss, part 1: a run is partway (two checkpoints committed) when the stack goes down.
-        cut = Submission(cli, "--suffix", "loss", *LOSS_JOB)
-        cut.wait_for("checkpoint at step 20 committed")
         state = json.loads((tmp_path / "home" / "local" / "state.json").read_text())
         marker = state["marker"]
         pids = stack_pids(marker)
@@ -60,6 +59,9 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         status = json.loads(cli.run("local", "status", "--json", check=True).stdout)
         assert status["running"] and all(status["processes"].values())
 
+        # Whole-cluster loss, part 1: a run is partway (two checkpoints committed) when the stack goes down.
+        cut = Submission(cli, "--suffix", "loss", *LOSS_JOB)
+        cut.wait_for("checkpoint at step 20 committed")
         down = cli.run("local", "down", check=True, timeout=120)
         assert "local stack stopped" in down.stdout
         assert stack_pids(marker) == []
@@ -78,12 +80,12 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
             cli.run("local", "up", "--spot", "1", "--on-demand", "1", "--json", check=True, timeout=300).stdout
         )
         last = final_tensors(stack, "digits-ddp-loss")["step"]  # the last checkpoint committed before the loss
-        assert 20 <= last < 138
+        assert 20 <= last < LOSS_STEPS
         resumed = Submission(cli, "--suffix", "loss", *LOSS_JOB).finish()
         assert [int(m) for m in RESUMED_LINE.findall(resumed)][:1] == [last], resumed[-4000:]
         Submission(cli, "--suffix", "base", *LOSS_JOB).finish()
         interrupted, baseline = final_tensors(stack, "digits-ddp-loss"), final_tensors(stack, "digits-ddp-base")
-        assert baseline["step"] == 138
+        assert baseline["step"] == LOSS_STEPS
         assert_same_weights(interrupted, baseline)
     finally:
         bystander.kill()
