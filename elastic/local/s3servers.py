@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +45,6 @@ _SEAWEED_PORT_FLAGS = (
     "s3.port.grpc",
     "s3.port.iceberg",
     "s3.port.lance",
-    "admin.port",
-    "admin.port.grpc",
     "metricsPort",
     "debug.port",
 )
@@ -64,7 +63,26 @@ def _seaweed_command(binary: str, port: int, data: Path, free_port: Callable[[],
         # 1 GB volumes (mini's default) preallocate nothing, but 64 of them is more than a laptop stack needs.
         "-master.volumeSizeLimitMB=256",
         *[f"-{flag}={free_port()}" for flag in _SEAWEED_PORT_FLAGS],
+        *_admin_ports(free_port),
     ]
+
+
+def _admin_ports(free_port: Callable[[], int]) -> list[str]:
+    """mini's maintenance worker dials the admin server at its HTTP port + 10000 whatever -admin.port.grpc says
+    (seaweedfs 4.48), so the gRPC port is chosen as exactly that, and free."""
+    while True:
+        port = free_port()
+        if port + 10000 < 65536 and _is_free(port + 10000):
+            return [f"-admin.port={port}", f"-admin.port.grpc={port + 10000}"]
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 SERVERS = {

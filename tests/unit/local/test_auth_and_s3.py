@@ -66,7 +66,8 @@ def test_state_files_from_before_auth_load_as_token_and_moto():
 @pytest.mark.parametrize("name", sorted(s3servers.SERVERS))
 def test_every_s3_server_listens_on_loopback_only_on_ports_it_was_given(name, tmp_path, monkeypatch):
     monkeypatch.setattr(s3servers.processes, "binary", lambda binary, package: f"/bin/{binary}")
-    ports = itertools.count(20000)
+    monkeypatch.setattr(s3servers, "_is_free", lambda port: True)
+    ports = itertools.count(40000)
     argv = s3servers.command(name, 9000, tmp_path / "data", lambda: next(ports))
     joined = " ".join(argv)
     assert "127.0.0.1" in joined and "0.0.0.0" not in joined
@@ -75,7 +76,9 @@ def test_every_s3_server_listens_on_loopback_only_on_ports_it_was_given(name, tm
         assert f"-dir={tmp_path / 'data'}" in argv and (tmp_path / "data").is_dir()
         # every listening port of `weed mini` is given, none left at its fixed default
         given = {a.split("=")[0].lstrip("-") for a in argv if a.startswith("-") and "=" in a}
-        assert set(s3servers._SEAWEED_PORT_FLAGS) <= given
+        assert set(s3servers._SEAWEED_PORT_FLAGS) | {"admin.port", "admin.port.grpc"} <= given
+        ports = dict(a.lstrip("-").split("=") for a in argv if a.startswith("-admin.port"))
+        assert int(ports["admin.port.grpc"]) == int(ports["admin.port"]) + 10000  # where mini's worker dials
 
 
 def test_unknown_s3_server_names_the_choices(tmp_path):
