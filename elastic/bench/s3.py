@@ -205,6 +205,6 @@ def bench_s3(servers: list[str], size_mb: float = 16, objects: int = 32, threads
     with tempfile.TemporaryDirectory(prefix="elastic-bench-s3-") as folder:
         figures = []
         for name in servers:
-            logger.info("bench s3: %s", name)
+            logger.debug("bench s3: %s", name)
             figures.append(asdict(measure(name, size_mb, objects, threads, Path(folder))))
     return {"size_mb": size_mb, "objects": objects, "threads": threads, "servers": figures}
