@@ -6,7 +6,9 @@ in the pytest process reads the token once and caches it, so they all hold the s
 
 from __future__ import annotations
 
+import os
 import secrets
+import tempfile
 from pathlib import Path
 
 SESSION_TOKEN = secrets.token_hex(32)
@@ -18,3 +20,11 @@ def write_token(path: Path) -> Path:
         path.write_text(SESSION_TOKEN)
         path.chmod(0o600)
     return path
+
+
+def use_session_token_in_this_process() -> None:
+    """Token mode and the session's token for Ray's client in the pytest process, before anything initialises
+    Ray's config here (it reads RAY_AUTH_MODE once): every cluster the tests start accepts it."""
+    folder = Path(tempfile.mkdtemp(prefix="elastic-test-token-"))
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(write_token(folder / "auth_token")))

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from auth_helpers import write_token
+from auth_helpers import use_session_token_in_this_process, write_token
 from moto_helpers import running_moto
 
 ROOT = Path(__file__).resolve().parents[2]
+
+use_session_token_in_this_process()
 
 pytestmark = pytest.mark.integration
 
