@@ -9,8 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 # takes the newest boto3 first, finds no aiobotocore (s3fs) that accepts its botocore, backtracks through every
 # aiobotocore and s3fs instead of an older boto3, and gives up with ResolutionImpossible.
 MIN_PIP := 25.0
-# One auth mode for every Ray process, driver and CLI call of the local stack (README: Development notes).
-export RAY_AUTH_MODE ?= disabled
+# No RAY_AUTH_MODE here: the local stack runs with Ray token auth and hands its mode and token to every process
+# and client it starts (`elastic local env` prints them).
 
 .PHONY: install prometheus demo lint test test-unit test-integration down clean
 

@@ -28,6 +28,10 @@ class ClusterError(UserError):
     """The Ray cluster cannot be reached or the local stack is in the wrong state."""
 
 
+class ClusterAuthError(ClusterError):
+    """The Ray cluster refused this client: Ray token auth is on and the token is missing or wrong."""
+
+
 class ClusterConfigError(UserError):
     """A cluster config cannot be read at all (missing file, not YAML, not a mapping)."""
 

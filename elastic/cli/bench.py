@@ -11,7 +11,7 @@ from dataclasses import asdict
 import click
 from rich.table import Table
 
-from elastic.cli.common import console
+from elastic.cli.common import console, print_json
 from elastic.cli.remote import finish, remote_options, run_remotely
 from elastic.driver.remote import remote_address
 from elastic.errors import UserError
@@ -280,3 +280,40 @@ def bench_recovery_cmd(
             console.print(f"goodput = {result['goodput']} (target >= 0.9)")
 
     _run_bench("recovery", address, detach, as_json, measure, show)
+
+
+@bench_group.command("s3")
+@click.option(
+    "--server",
+    "servers",
+    multiple=True,
+    type=click.Choice(["seaweedfs", "moto"]),
+    help="A server to measure (repeatable; default: every one `elastic local up --s3` offers).",
+)
+@click.option("--size-mb", default=16.0, show_default=True, type=click.FloatRange(min=0.01), help="Object size.")
+@click.option("--objects", default=32, show_default=True, type=click.IntRange(1), help="Objects put, then got.")
+@click.option("--threads", default=4, show_default=True, type=click.IntRange(1), help="Concurrent requests.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_s3_cmd(servers: tuple[str, ...], size_mb: float, objects: int, threads: int, as_json: bool) -> None:
+    """The local S3 servers side by side: start time, put/get MB/s, server CPU per GB, peak memory, persistence.
+
+    Each server is started fresh on 127.0.0.1 in a temp dir (not the stack's), so this runs with or without
+    a local stack.
+
+    \b
+    Example:
+      elastic bench s3 --json
+    """
+    from elastic.bench import s3 as bench
+    from elastic.local import s3servers
+
+    result = bench.bench_s3(list(servers) or list(s3servers.SERVERS), size_mb=size_mb, objects=objects, threads=threads)
+    if as_json:
+        print_json(result)
+        return
+    columns = ["server", "start_seconds", "put_mb_s", "get_mb_s", "cpu_seconds_per_gb", "peak_rss_mb"]
+    table = Table(*columns, "pyarrow", "kept across restart")
+    for row in result["servers"]:
+        table.add_row(*[str(row[c]) for c in columns], str(row["pyarrow_round_trip"]), str(row["kept_across_restart"]))
+    console.print(f"[bold]s3[/] ({objects} objects of {size_mb} MB, {threads} threads, through s3fs)")
+    console.print(table)

@@ -11,6 +11,7 @@ from rich.console import Console
 from elastic.errors import UserError
 
 console = Console(stderr=False, highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)  # progress, so stdout stays parseable
 
 
 def print_json(data) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -58,6 +59,9 @@ def submit_cmd(
     if follow:
         status = submit.follow(target, submitted.job_id, out=sys.stderr if as_json else sys.stdout)
         click.echo(f"job {submitted.job_id} {status}", err=as_json)
+        if as_json:  # the last stdout line: one JSON object with the job's final status, for scripts
+            ended = {"run_name": submitted.run_name, "job_id": submitted.job_id, "status": status}
+            click.echo(json.dumps({**ended, "message": submit.job_message(target, submitted.job_id)}))
         if status != "SUCCEEDED":
             raise JobFailed(submitted.job_id, status)
 
@@ -105,11 +109,25 @@ def status_cmd(run: str | None, address: str | None, as_json: bool) -> None:
 @click.command("logs")
 @click.argument("run")
 @click.option("--address")
-def logs_cmd(run: str, address: str | None) -> None:
-    """Print the logs of a run's newest job."""
+@click.option("--follow", "-f", is_flag=True, help="Keep streaming until the job ends; exit with its status.")
+def logs_cmd(run: str, address: str | None, follow: bool) -> None:
+    """Print the logs of a run's newest job.
+
+    \b
+    Example:
+      elastic logs digits-ddp --follow
+    """
     from elastic.driver import submit
 
-    click.echo(submit.logs(submit.resolve_target(address), run), nl=False)
+    target = submit.resolve_target(address)
+    if not follow:
+        click.echo(submit.logs(target, run), nl=False)
+        return
+    job_id = submit.latest_job(target, run)
+    status = submit.follow(target, job_id)
+    click.echo(f"job {job_id} {status}")
+    if status != "SUCCEEDED":
+        raise JobFailed(job_id, status)
 
 
 @click.command("stop")

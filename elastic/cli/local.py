@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shlex
+
 import click
 from rich.table import Table
 
-from elastic.cli.common import console, print_json
+from elastic.cli.common import console, err_console, print_json
 from elastic.errors import UserError
 
 
@@ -32,6 +34,23 @@ def local_group() -> None:
     help="Logical GPUs per worker node (GPU-requesting paths run on a CPU-only machine).",
 )
 @click.option(
+    "--auth",
+    default="token",
+    show_default=True,
+    type=click.Choice(["token", "none"]),
+    help="Ray token auth (a token kept in the stack's home, given to every process), or none (anyone who can "
+    "reach this machine's loopback can run code on the cluster).",
+)
+@click.option(
+    "--s3",
+    "s3_server",
+    default="seaweedfs",
+    show_default=True,
+    type=click.Choice(["seaweedfs", "moto"]),
+    help="The local S3 server: seaweedfs keeps objects on disk under the stack's home across down/up; moto "
+    "keeps them in memory.",
+)
+@click.option(
     "--s3-faults",
     is_flag=True,
     help="Put a fault-injecting proxy in front of the S3 endpoint (steered over HTTP under /_elastic/faults).",
@@ -43,6 +62,8 @@ def local_up(
     on_demand: int,
     cpus_per_node: int,
     gpus_per_node: int,
+    auth: str,
+    s3_server: str,
     s3_faults: bool,
     s3_fault_seed: int,
     as_json: bool,
@@ -52,19 +73,31 @@ def local_up(
     \b
     Examples:
       elastic local up --spot 2 --on-demand 1 --json
+      elastic local up --auth none --s3 moto   # no token; objects in memory
       elastic local up --s3-faults
       curl -X POST "$AWS_ENDPOINT_URL/_elastic/faults/windows" -d '{"kind": "503", "seconds": 10}'
     """
     from elastic.local import stack as local
 
-    state = local.up(
-        spot=spot,
-        on_demand=on_demand,
-        gpus_per_node=gpus_per_node,
-        cpus_per_node=cpus_per_node,
-        s3_faults=s3_faults,
-        s3_fault_seed=s3_fault_seed,
-    )
+    if auth == "none":
+        click.echo(
+            "warning: --auth none: Ray token auth is off; any process that can reach this machine's loopback "
+            "can join the cluster and run code on it",
+            err=True,
+        )
+    # Progress on stderr, so --json's stdout stays one document.
+    with err_console.status("starting the local stack") as spinner:
+        state = local.up(
+            spot=spot,
+            on_demand=on_demand,
+            gpus_per_node=gpus_per_node,
+            cpus_per_node=cpus_per_node,
+            auth=auth,
+            s3=s3_server,
+            s3_faults=s3_faults,
+            s3_fault_seed=s3_fault_seed,
+            progress=lambda step: spinner.update(f"starting the local stack: {step}"),
+        )
     if as_json:
         print_json(state.summary())
     else:
@@ -113,13 +146,16 @@ def local_env(as_json: bool) -> None:
     if as_json:
         print_json({"env": state.env()})
     else:
+        # A token in RAY_AUTH_TOKEN would win over the stack's token file.
+        click.echo("unset RAY_AUTH_TOKEN")
         for key, value in state.env().items():
-            click.echo(f"export {key}={value}")
+            click.echo(f"export {key}={shlex.quote(value)}")
 
 
 def _show_stack(info: dict) -> None:
     console.print(f"Ray:        {info['ray_address']}   job API: {info['dashboard_url']}")
-    console.print(f"S3:         {info['s3_endpoint']}   bucket: {info['bucket']}")
+    console.print(f"S3:         {info['s3_endpoint']}   bucket: {info['bucket']}   server: {info.get('s3_server')}")
+    console.print(f"Ray auth:   {info.get('auth', 'token')}")
     if info.get("s3_upstream"):
         console.print(f"S3 faults:  {info['s3_endpoint']}/_elastic/faults   in front of {info['s3_upstream']}")
     table = Table("node", "market", "role", "cpus", "gpus", "node id")

@@ -13,6 +13,7 @@ import click
 
 from elastic import logs
 from elastic.cli import bench, checkpoints, cluster, demo, jobs, local, preempt, report, spec, sweep, verify, watch
+from elastic.driver.auth import auth_failure
 from elastic.errors import ElasticError, JobFailed, UserError
 
 
@@ -82,6 +83,14 @@ def main() -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except Exception as err:
+        # Ray refusing our token can surface from any verb that talks to a cluster (ray.init, the job API, the
+        # state API): one line naming the fix, exit 2. Anything else is a bug and keeps its traceback.
+        refused = auth_failure(err)
+        if refused is None:
+            raise
+        click.echo(f"error: {refused}", err=True)
+        sys.exit(refused.exit_code)
 
 
 if __name__ == "__main__":

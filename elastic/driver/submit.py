@@ -19,6 +19,7 @@ from pathlib import Path
 from elastic.checkpoint.store import run_directory
 from elastic.config.entrypoint import check_entrypoint
 from elastic.config.spec import JobSpec
+from elastic.driver.auth import auth_failure
 from elastic.errors import ClusterError, UserError
 from elastic.local import stack as local
 from elastic.logs import LEVEL_VARIABLE
@@ -55,7 +56,9 @@ class Submitted:
 def resolve_target(address: str | None) -> Target:
     """--address, else RAY_API_SERVER_ADDRESS, else the local stack if it is up."""
     if address:
-        return Target(address, None)
+        state = local.running_state()
+        is_local = state is not None and state.dashboard_url == address.rstrip("/")
+        return Target(address, state if is_local else None)
     if os.environ.get("RAY_API_SERVER_ADDRESS"):
         state = local.running_state()
         is_local = state is not None and state.dashboard_url == os.environ["RAY_API_SERVER_ADDRESS"]
@@ -72,13 +75,16 @@ def resolve_target(address: str | None) -> Target:
 def client(target: Target):
     """A JobSubmissionClient for the target; one line and exit 2 if it cannot be reached."""
     if target.local is not None:
-        # Our local stack decides its auth mode; CLI and cluster must agree (Ray 2.59+ turns token auth on).
-        os.environ.update({k: v for k, v in target.local.env().items() if k == "RAY_AUTH_MODE"})
+        # Our local stack decides its auth mode and token; CLI and cluster must agree.
+        target.local.use_ray()
     from ray.job_submission import JobSubmissionClient  # ray only when a cluster is asked: the CLI starts fast
 
     try:
         return JobSubmissionClient(target.address)
     except Exception as err:  # ConnectionError, auth errors, bad URLs: all mean "cannot use this address"
+        refused = auth_failure(err, f"the Ray job API at {target.address}")
+        if refused is not None:
+            raise refused from None
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ClusterError(
             f"cannot reach the Ray job API at {target.address} ({first[:160]}); "
@@ -185,6 +191,11 @@ def follow(target: Target, job_id: str, out=sys.stdout) -> str:
         time.sleep(0.5)
         status = str(jobs.get_job_status(job_id).value)
     return status
+
+
+def job_message(target: Target, job_id: str) -> str:
+    """Ray's one-line message for the job (why it failed, or that it succeeded)."""
+    return client(target).get_job_info(job_id).message or ""
 
 
 def list_runs(target: Target) -> list[dict]:

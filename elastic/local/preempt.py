@@ -84,6 +84,7 @@ def _nodes_with_training_workers(state: local.LocalState) -> set[str]:
     try:
         from ray.util.state import list_actors  # ray only when a cluster is there to ask: the CLI starts fast
 
+        state.use_ray()  # the stack's auth mode and token
         actors = list_actors(
             address=state.dashboard_url, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
         )
@@ -146,7 +147,7 @@ def _announce(state: local.LocalState, node: dict, reclaim: Reclaim, notice: flo
 
 def drain(state: local.LocalState, node_id: str, deadline_seconds: float) -> None:
     """Ray's own `ray drain-node` with reason PREEMPTION (what the watcher does from a cloud notice)."""
-    ray_bin = local._binary("ray", "ray[default]")
+    ray_bin = processes.binary("ray", "ray[default]")
     proc = subprocess.run(
         [
             ray_bin,

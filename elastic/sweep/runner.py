@@ -19,6 +19,7 @@ from collections.abc import Callable
 from elastic.checkpoint.store import run_directory
 from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import SweepSpec, _example_value, trial_job
+from elastic.driver.auth import auth_failure
 from elastic.driver.fitting import fit_run
 from elastic.driver.submit import DEFAULT_EXCLUDES
 from elastic.errors import ClusterError, UserError
@@ -368,6 +369,8 @@ def connect(job: JobSpec | None = None) -> None:
     if not address and state is not None:
         os.environ.update(state.env())
         address = state.ray_address
+    if state is not None and address == state.ray_address:
+        state.use_ray()  # the stack's auth mode and token, whatever this shell exported
     if state is not None and state.logical_gpus:
         os.environ["ELASTIC_LOGICAL_GPUS"] = "1"
     try:
@@ -380,7 +383,10 @@ def connect(job: JobSpec | None = None) -> None:
                 "env_vars": dict(job.runtime_env.env_vars) if job else {},
             },
         )
-    except ConnectionError:
+    except ConnectionError as err:
+        refused = auth_failure(err, f"the Ray cluster at {address or 'auto'}")
+        if refused is not None:
+            raise refused from None
         raise ClusterError(
             "no Ray cluster to run the sweep on; start one with `elastic local up --gpus-per-node 2` or set RAY_ADDRESS"
         ) from None

@@ -9,13 +9,17 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from auth_helpers import use_session_token_in_this_process, write_token
 from moto_helpers import running_moto
 
 ROOT = Path(__file__).resolve().parents[2]
+
+use_session_token_in_this_process()
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +47,7 @@ class Cli:
 def make_cli(home: Path) -> Cli:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_")) and k != "ELASTIC_HOME"}
     env["ELASTIC_HOME"] = str(home)
+    write_token(home / "local" / "auth_token")  # the session's token (auth_helpers), kept by `local up`
     return Cli(env)
 
 
@@ -53,8 +58,26 @@ def stack(tmp_path_factory):
     up = cli.run("local", "up", "--spot", "2", "--on-demand", "1", "--json", check=True, timeout=300)
     info = json.loads(up.stdout)
     info["cli"] = cli
-    yield info
+    with ray_auth(info["env"]):
+        yield info
     cli.run("local", "down", timeout=120)
+
+
+@contextmanager
+def ray_auth(env: dict):
+    """The stack's Ray auth (token mode, its token file) in this process's environment for a block: tests
+    that call Ray's SDK themselves (state API, job client) pass the GCS's and job API's token check."""
+    keys = [k for k in env if k.startswith("RAY_AUTH")]
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update({k: env[k] for k in keys})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
 """`elastic local down` stops exactly what `up` started: nothing of the stack survives, nothing else dies. The
-stack here runs with `--s3-faults`: its S3 endpoint is the fault proxy, which `down` stops with the rest."""
+stack here runs with `--s3-faults`: its S3 endpoint is the fault proxy, which `down` stops with the rest. And
+whole-cluster loss: a run cut by `down` (no notice) resumes after `up` from its last committed checkpoint, which
+the on-disk bucket kept, and ends bit-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import botocore.config
 import psutil
 import pytest
 from botocore.exceptions import ClientError
+from run_helpers import Submission, assert_same_weights, final_tensors
 
 from elastic.local.processes import MARKER_VARIABLE
 from elastic.local.s3_faults import FaultControl
@@ -20,6 +23,12 @@ from elastic.local.s3_faults import FaultControl
 pytestmark = pytest.mark.integration
 
 WORKER_LINE = re.compile(r"worker rank (\d+)/(\d+) on node ([0-9a-f]+) market=(\S+)")
+RESUMED_LINE = re.compile(r"resumed from checkpoint at step (\d+) ")
+# digits_ddp at a fixed 2 workers, on whatever nodes are free (the stack has one spot and one on-demand),
+# 230 steps with a checkpoint every 10: the cut (seconds after step 20, while `down` stops the stack) lands
+# well before the end.
+LOSS_JOB = ("--set", "workers.market=any", "--set", "config.epochs=10", "--set", "checkpoint.every_steps=10")
+LOSS_STEPS = 230
 
 
 def stack_pids(marker: str) -> list[int]:
@@ -36,16 +45,22 @@ def stack_pids(marker: str) -> list[int]:
 def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory):
     cli = cli_factory(tmp_path / "home")
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    cut: Submission | None = None
     try:
-        up = cli.run("local", "up", "--spot", "1", "--on-demand", "1", "--s3-faults", "--json", check=True, timeout=300)
+        stack = json.loads(
+            cli.run(
+                "local", "up", "--spot", "1", "--on-demand", "1", "--s3-faults", "--json", check=True, timeout=300
+            ).stdout
+        )
+        assert stack["auth"] == "token" and stack["s3_server"] == "seaweedfs"  # the defaults
         state = json.loads((tmp_path / "home" / "local" / "state.json").read_text())
         marker = state["marker"]
         pids = stack_pids(marker)
         roles = {r["role"] for r in state["roots"]}
         # a spot node comes with its metadata endpoint and preemption watcher, as on a cloud
         assert roles == {"s3", "s3-faults", "head", "on-demand-0", "spot-0", "metadata-spot-0", "watcher-spot-0"}
-        # Every client of the stack talks to the proxy; the bucket was made straight on moto behind it.
-        info = json.loads(up.stdout)
+        # Every client of the stack talks to the proxy; the bucket was made straight on the server behind it.
+        info = stack
         assert info["env"]["AWS_ENDPOINT_URL"] == info["s3_endpoint"] != info["s3_upstream"]
         client = boto3.client(
             "s3",
@@ -61,11 +76,14 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         assert client.list_objects_v2(Bucket=info["bucket"])["KeyCount"] == 0
         spot = [n for n in state["nodes"] if n["name"] == "spot-0"][0]
         assert spot["metadata_url"].startswith("http://127.0.0.1:")
-        assert len(pids) >= 8  # ray start x3, gcs, raylets, dashboard, agents, moto...
+        assert len(pids) >= 8  # ray start x3, gcs, raylets, dashboard, agents, the S3 server...
 
         status = json.loads(cli.run("local", "status", "--json", check=True).stdout)
         assert status["running"] and all(status["processes"].values())
 
+        # Whole-cluster loss, part 1: a run is partway (two checkpoints committed) when the stack goes down.
+        cut = Submission(cli, "--suffix", "loss", *LOSS_JOB)
+        cut.wait_for("checkpoint at step 20 committed")
         down = cli.run("local", "down", check=True, timeout=120)
         assert "local stack stopped" in down.stdout
         assert stack_pids(marker) == []
@@ -76,8 +94,25 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         again = cli.run("local", "down", check=True)
         assert "no local stack running" in again.stdout
         assert json.loads(cli.run("local", "status", "--json", check=True).stdout) == {"running": False}
+        cut.proc.kill()  # its `submit --follow` client lost the job API with the stack
+        cut.proc.wait(timeout=30)
+
+        # Part 2: up again (the bucket's objects are on disk), submit the same job: it resumes.
+        stack = json.loads(
+            cli.run("local", "up", "--spot", "1", "--on-demand", "1", "--json", check=True, timeout=300).stdout
+        )
+        last = final_tensors(stack, "digits-ddp-loss")["step"]  # the last checkpoint committed before the loss
+        assert 20 <= last < LOSS_STEPS
+        resumed = Submission(cli, "--suffix", "loss", *LOSS_JOB).finish()
+        assert [int(m) for m in RESUMED_LINE.findall(resumed)][:1] == [last], resumed[-4000:]
+        Submission(cli, "--suffix", "base", *LOSS_JOB).finish()
+        interrupted, baseline = final_tensors(stack, "digits-ddp-loss"), final_tensors(stack, "digits-ddp-base")
+        assert baseline["step"] == LOSS_STEPS
+        assert_same_weights(interrupted, baseline)
     finally:
         bystander.kill()
+        if cut is not None and cut.proc.poll() is None:
+            cut.proc.kill()
         cli.run("local", "down", timeout=120)
 
 

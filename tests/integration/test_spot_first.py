@@ -62,7 +62,9 @@ def stack(tmp_path_factory, cli_factory):
 def jobs_client(stack, monkeypatch):
     from ray.job_submission import JobSubmissionClient
 
-    monkeypatch.setenv("RAY_AUTH_MODE", stack["env"]["RAY_AUTH_MODE"])  # the stack's auth mode
+    for key, value in stack["env"].items():
+        if key.startswith("RAY_AUTH"):  # the stack's auth mode and token
+            monkeypatch.setenv(key, value)
     return JobSubmissionClient(stack["dashboard_url"])
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from auth_helpers import write_token
 
 from elastic.local.metadata_server import MetadataServer
 
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 MARGIN_S = 5
+AUTH = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
 
 
 @ray.remote(num_cpus=1)
@@ -41,8 +43,10 @@ def cluster():
     # under a temp dir of its own: never the /tmp/ray of other clusters on the machine.
     temp_dir = tempfile.mkdtemp(prefix="rwatch-", dir="/tmp")
     os.makedirs(os.path.join(temp_dir, "ray"))
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_AUTH_MODE")}
-    os.environ.update(RAY_TMPDIR=temp_dir, RAY_AUTH_MODE="disabled")  # one auth mode, as the local stack
+    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", *AUTH)}
+    # Token auth, as the local stack, with the session's token (the watcher, a subprocess, gets the same).
+    token = write_token(Path(temp_dir) / "auth_token")
+    os.environ.update(RAY_TMPDIR=temp_dir, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
     node_args = {"object_store_memory": 80 * 1024 * 1024}
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0, **node_args})
     try:
@@ -67,7 +71,7 @@ def cluster():
 
 def watcher_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["RAY_AUTH_MODE"] = "disabled"
+    env.update({k: os.environ[k] for k in AUTH})  # the cluster fixture's token auth
     return env
 
 

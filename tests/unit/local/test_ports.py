@@ -32,9 +32,9 @@ def test_a_port_offered_twice_is_handed_out_once(monkeypatch):
     monkeypatch.setattr(local, "_handed_out", set())
     monkeypatch.setattr(_ReusingSocket, "offers", [40001, 40001, 40001, 40002])
     monkeypatch.setattr(socket, "socket", _ReusingSocket)
-    assert [local._free_port(), local._free_port()] == [40001, 40002]
+    assert [local.free_port(), local.free_port()] == [40001, 40002]
 
 
 def test_real_ports_are_distinct():
-    ports = [local._free_port() for _ in range(50)]
+    ports = [local.free_port() for _ in range(50)]
     assert len(set(ports)) == 50

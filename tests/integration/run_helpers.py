@@ -1,0 +1,73 @@
+"""Runs of the digits job on a real local stack, shared by the integration modules that compare final weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from conftest import ROOT
+
+
+class Submission:
+    """`elastic submit ... --follow` in the background, its output collected as it comes."""
+
+    def __init__(self, cli, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic", "submit", "jobs/digits_ddp.yaml", *args, "--follow"],
+            cwd=ROOT,
+            env=cli.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+
+    def wait_for(self, text: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in list(self.lines)):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"{text!r} not seen:\n{self.output[-4000:]}")
+
+    def finish(self, timeout: float = 600) -> str:
+        self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        assert self.proc.returncode == 0, self.output[-6000:]
+        return self.output
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def final_tensors(stack, run: str) -> dict:
+    """Model and optimizer tensors of the run's latest committed checkpoint, read from the bucket."""
+    from elastic.checkpoint.store import CheckpointStore
+
+    saved = dict(os.environ)
+    os.environ.update(stack["env"])
+    try:
+        store = CheckpointStore(f"s3://{stack['bucket']}/runs/{run}")
+        latest = store.latest_committed()
+        return {"step": latest.step, **store.read_tensors(latest.step)}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def assert_same_weights(left: dict, right: dict) -> None:
+    import torch
+
+    assert left["step"] == right["step"]
+    tensors = [k for k in left if k != "step" and isinstance(left[k], torch.Tensor)]
+    assert len(tensors) >= 6 and set(tensors) == {k for k in right if isinstance(right[k], torch.Tensor)}
+    different = [k for k in tensors if not torch.equal(left[k], right[k])]
+    assert not different, f"differ from the uninterrupted run: {different}"
