@@ -180,5 +180,5 @@ def kill_node(name: str) -> int:
         state.roots = [root.to_dict() for root in state.launched() if root.role not in roles]
         state.nodes = [n for n in state.nodes if n["name"] != name]
         state.retired = [*state.retired, name]
-        local._save_state(state)
+        local.save_state(state)
     return killed
