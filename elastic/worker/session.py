@@ -21,6 +21,7 @@ current world size), the step, every tracked object, each rank's python/numpy/to
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -248,13 +249,16 @@ class Session:
         if not committed:
             self._start_ledger(0)
             return 0
+        loading_since = time.time()
         step, state = self.checkpointer.load_newest(committed, self._state.template)
         self._state.load_state_dict(state)
         if self.is_chief and step != max(committed):
             self._retire_newer_than(step, committed)
-        self._start_ledger(step)
-        self.restored_step = self._last_saved_step = self.step_count
         info = self.store.info(step)
+        # The ledger keeps when the loaded checkpoint was committed and when the load began: a chaos soak
+        # proves from them that no torn checkpoint was ever loaded (the marker predates the load).
+        self._start_ledger(step, commit_time=info.time if info.committed else None, load_started=loading_since)
+        self.restored_step = self._last_saved_step = self.step_count
         self.log(
             f"resumed from checkpoint at step {self.step_count} ({info.uri}, written by "
             f"{info.world_size} workers, now {self.world_size})"
@@ -364,7 +368,9 @@ class Session:
             _log.info(message)
 
     # -- internals
-    def _start_ledger(self, resumed_from: int) -> None:
+    def _start_ledger(
+        self, resumed_from: int, commit_time: float | None = None, load_started: float | None = None
+    ) -> None:
         """Auditing only: every rank of this attempt files its records under one id, made by rank 0."""
         if not isinstance(self._ledger, SampleLedger):
             return
@@ -372,6 +378,7 @@ class Session:
         if dist.is_initialized():
             dist.broadcast_object_list(attempt, src=0, group=self._checkpoint_group)
         self._ledger.attempt, self._ledger.resumed_from = attempt[0], resumed_from
+        self._ledger.resumed_commit_time, self._ledger.load_started = commit_time, load_started
 
     def _wait_for_save(self) -> SaveResult | None:
         result = self.checkpointer.wait()
