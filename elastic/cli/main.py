@@ -12,7 +12,7 @@ import sys
 import click
 
 from elastic import logs
-from elastic.cli import bench, checkpoints, cluster, demo, jobs, local, preempt, spec, sweep, verify, watch
+from elastic.cli import bench, chaos, checkpoints, cluster, demo, jobs, local, preempt, spec, sweep, verify, watch
 from elastic.errors import ElasticError, JobFailed, UserError
 
 
@@ -49,6 +49,7 @@ for command in (
     jobs.stop_cmd,
     checkpoints.checkpoints_group,
     verify.verify_resume_cmd,
+    chaos.chaos_group,
     bench.bench_group,
     sweep.sweep_cmd,
     demo.demo_cmd,

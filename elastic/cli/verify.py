@@ -9,8 +9,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from elastic.cli.common import console, print_json
-from elastic.errors import UserError
+from elastic.cli.common import console, print_json, worker_counts
 
 
 @click.command("verify-resume")
@@ -62,7 +61,7 @@ def verify_resume_cmd(
     from elastic.driver import submit
 
     spec = load_job_spec(job_file, overrides)
-    workers = _worker_counts(workers_text, spec.workers.min)
+    workers = worker_counts(workers_text, spec.workers.min)
     target = submit.resolve_target(address)
     verify.storage_environment(target)
     stamp = time.strftime("%m%d%H%M%S")
@@ -79,18 +78,6 @@ def verify_resume_cmd(
         _show_verify(report)
     if not report.passed:
         sys.exit(1)
-
-
-def _worker_counts(text: str | None, default: int) -> list[int]:
-    if not text:
-        return [default]
-    try:
-        counts = [int(part) for part in text.split(",")]
-    except ValueError:
-        counts = []
-    if not counts or any(c < 1 for c in counts):
-        raise UserError(f"--workers {text!r}: expected a count or counts like 2 or 2,1,2")
-    return counts
 
 
 def _show_verify(report) -> None:
