@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from elastic.checkpoint.store import MARKER
 from elastic.diagnostics.records import RunRecords, audited_spec
 from elastic.diagnostics.soak_plan import (
     CORRELATED_RECLAIMS,
@@ -152,7 +153,7 @@ class FaultedRun:
 
     def _latest_committed(self) -> int:
         # A listing, never a read of a checkpoint file: the soak's own polling must not meet its S3 windows.
-        committed = [step for step, names in self.store.live_folders().items() if "_COMMITTED" in names]
+        committed = [step for step, names in self.store.live_folders().items() if MARKER in names]
         return max(committed, default=0)
 
     def _attempts_since(self, moment: float) -> int:
@@ -232,11 +233,9 @@ class FaultedRun:
         from ray.util.state import list_actors  # ray's state API only when a soak runs: the CLI starts fast
 
         actors = list_actors(
-            address=self.target.address,
-            filters=[("state", "=", "ALIVE"), ("class_name", "=", "RayTrainWorker")],
-            raise_on_missing_output=False,
+            address=self.target.address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
         )
-        pids = sorted(a.pid for a in actors if a.pid)
+        pids = sorted(a.pid for a in actors if a.pid and "RayTrainWorker" in (a.class_name or ""))
         if not pids:
             record.detail = "no training worker alive to kill"
             return False
