@@ -9,14 +9,19 @@ from elastic.checkpoint.store import CheckpointStore
 from elastic.config.spec import JobSpec
 from elastic.driver.runs import run_directory
 from elastic.worker.audit import AUDIT_VARIABLE, History, read_history
-from elastic.worker.chaos import KILL_AT_VARIABLE, Kill, format_plan
+from elastic.worker.chaos import KILL_AT_VARIABLE, STEP_SECONDS_VARIABLE, Kill, format_plan
 
 
-def audited_spec(spec: JobSpec, workers: int, plan: list[Kill], max_failures: int) -> JobSpec:
-    """The job at a fixed worker count, with the sample ledger on and the in-worker faults of `plan`."""
+def audited_spec(
+    spec: JobSpec, workers: int, plan: list[Kill], max_failures: int, step_seconds: float = 0.0
+) -> JobSpec:
+    """The job at a fixed worker count, with the sample ledger on and the in-worker faults of `plan`
+    (`step_seconds`: a pause after every step, elastic.worker.chaos)."""
     env = {**spec.runtime_env.env_vars, AUDIT_VARIABLE: "1"}
     if plan:
         env[KILL_AT_VARIABLE] = format_plan(plan)
+    if step_seconds:
+        env[STEP_SECONDS_VARIABLE] = f"{step_seconds:.4f}"
     return spec.model_copy(
         update={
             "workers": spec.workers.model_copy(update={"min": workers, "max": workers}),

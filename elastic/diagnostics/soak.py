@@ -28,6 +28,7 @@ from elastic.diagnostics.soak_plan import (
     NOTICED,
     goodput,
     lost_steps_after,
+    pacing,
     plan_faults,
     verdict,
 )
@@ -39,7 +40,7 @@ from elastic.local.s3_faults import FaultControl
 from elastic.placement.labels import WORKER_ROLE
 from elastic.worker.audit import check_exactly_once, torn_loads
 
-NOTICE_SECONDS = 15.0  # a watcher polls, Ray Train polls drains every 5 s, then the just-in-time save
+NOTICE_SECONDS = 12.0  # a watcher polls, Ray Train polls drains every 5 s, then the just-in-time save
 REPLACE_AFTER = 3.0  # seconds until a like node replaces a reclaimed one, as an autoscaler would
 
 PROXY_MISSING = (
@@ -106,11 +107,20 @@ class Soak:
         # Plan before the long baseline where the plan can be refused without it (too few faults for --workers).
         plan_faults(count, seed, (count + 1) * every, every, min(workers), len(workers))
         baseline = self.verifier.run_segment(f"soak-{stamp}-base", workers[0], [], max_failures=0)
+        # Checkpoints and pauses only change when things happen, not what is computed: the faulted run may
+        # checkpoint more often and pause after each step and still end bit-identical.
+        every, step_seconds = pacing(count, baseline.final_step, every)
         faults = plan_faults(count, seed, baseline.final_step, every, min(workers), len(workers))
         self._check_capacity(faults)
-        self.progress("faults: " + ", ".join(f"{f.kind}@{f.step}" for f in faults))
+        self.progress(
+            f"faults (checkpoint every {every} steps, {step_seconds:g} s pause per step): "
+            + ", ".join(f"{f.kind}@{f.step}" for f in faults)
+        )
+        spec = self.spec.model_copy(
+            update={"checkpoint": self.spec.checkpoint.model_copy(update={"every_steps": every})}
+        )
         faulted = FaultedRun(
-            self.spec,
+            spec,
             self.target,
             self.working_dir,
             f"soak-{stamp}-faults",
@@ -118,9 +128,10 @@ class Soak:
             self.progress,
             self.notice_seconds,
             self.replace_after,
+            step_seconds,
         ).run(faults, workers)
         self._write_job_logs(faulted.job_ids)
-        return self._report(baseline, faulted, seed, workers)
+        return self._report(baseline, faulted, seed, workers, baseline.seconds + step_seconds * baseline.final_step)
 
     def _check_capacity(self, faults) -> None:
         kinds = {f.kind for f in faults}
@@ -139,7 +150,8 @@ class Soak:
             self.log.write(f"\n===== {job_id} (faulted run)\n{jobs.get_job_logs(job_id)}")
         self.log.flush()
 
-    def _report(self, baseline, faulted, seed: int, workers: list[int]) -> SoakReport:
+    def _report(self, baseline, faulted, seed: int, workers: list[int], productive_seconds: float) -> SoakReport:
+        """`productive_seconds`: the uninterrupted run's time with the faulted run's pauses added."""
         records = self.verifier.records
         run = self.spec.run_name(f"soak-{self.verifier.stamp}-faults")
         history = records.history(run)
@@ -170,7 +182,7 @@ class Soak:
             samples_exactly_once=once.ok and baseline.samples_exactly_once,
             torn_loaded=len(torn),
             lost_steps_noticed=lost_steps_after(noticed_at, history.attempts, history.last_step, history.resumed_from),
-            goodput=goodput(baseline.seconds, faulted.seconds),
+            goodput=goodput(productive_seconds, faulted.seconds),
             passed=not problems,
             problems=problems,
             seed=seed,

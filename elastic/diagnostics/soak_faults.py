@@ -86,6 +86,7 @@ class FaultedRun:
         progress: Callable[[str], None],
         notice_seconds: float,
         replace_after: float,
+        step_seconds: float = 0.0,
     ):
         self.spec = spec
         self.target = target
@@ -96,6 +97,7 @@ class FaultedRun:
         self.progress = progress
         self.notice_seconds = notice_seconds
         self.replace_after = replace_after
+        self.step_seconds = step_seconds
         self.records = RunRecords(spec)
         self.store = self.records.store(self.run_name)
         self.jobs = submit.client(target)
@@ -144,7 +146,7 @@ class FaultedRun:
     # -- the job
     def _submit(self) -> None:
         workers = self.counts.pop(0) if len(self.counts) > 1 else self.counts[0]
-        spec = audited_spec(self.spec, workers, self.plan, self.max_failures)
+        spec = audited_spec(self.spec, workers, self.plan, self.max_failures, self.step_seconds)
         submitted = submit.submit(
             spec, self.target, suffix=self.suffix, working_dir=self.working_dir, check_bucket=False
         )

@@ -40,6 +40,9 @@ NODE_FAULTS = frozenset({NOTICED_RECLAIM, HARD_NODE_LOSS, CORRELATED_RECLAIMS})
 # Faults after which the run starts a new attempt (restores from storage); the others leave it running.
 RESTARTS = frozenset({WORKER_KILL, SAVE_KILL, *NODE_FAULTS, S3_RESTORE_ERRORS, DRIVER_KILLED})
 NOTICED = frozenset({NOTICED_RECLAIM, CORRELATED_RECLAIMS})
+# Training time to give each fault: a reclaim's notice, the drain, a just-in-time save and a restart must fit
+# before the run ends, or the fault never meets it.
+SECONDS_PER_FAULT = 20.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,14 @@ def plan_faults(
             f"{final_step}; train longer (more epochs) or use fewer --faults"
         )
     return faults
+
+
+def pacing(count: int, final_step: int, every_steps: int, seconds_per_fault: float = SECONDS_PER_FAULT):
+    """(checkpoint interval, pause after each step) for a run of `final_step` steps under `count` faults: at
+    least two checkpoints between faults (the soak sees the run recover at a checkpoint), and about
+    `seconds_per_fault` of training per fault, however fast the job's steps are."""
+    every = max(1, min(every_steps, final_step // (2 * (count + 1))))
+    return every, round(count * seconds_per_fault / max(1, final_step), 4)
 
 
 def goodput(productive_seconds: float, wall_seconds: float) -> float:

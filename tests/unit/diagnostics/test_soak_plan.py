@@ -12,6 +12,7 @@ from elastic.diagnostics.soak_plan import (
     draw_kinds,
     goodput,
     lost_steps_after,
+    pacing,
     plan_faults,
     verdict,
 )
@@ -80,3 +81,11 @@ def test_verdict_names_each_failed_criterion():
     assert verdict(False, False, True, [], 3, 3, loss_within_tolerance=False) == [
         "per-epoch loss moved beyond the tolerance across worker counts"
     ]
+
+
+def test_pacing_gives_each_fault_training_time_and_two_checkpoints_between_faults():
+    every, pause = pacing(6, final_step=690, every_steps=50, seconds_per_fault=20.0)
+    assert every == 49 and pause == round(6 * 20.0 / 690, 4)  # 120 s of training in all
+    every, pause = pacing(20, final_step=276, every_steps=50, seconds_per_fault=20.0)
+    assert every == 6 and plan_faults(20, 0, 276, every, workers=2)  # the default digits job fits 20 faults
+    assert pacing(2, final_step=10_000, every_steps=50)[0] == 50  # never checkpoints less often than the job
