@@ -38,6 +38,7 @@ from elastic.diagnostics.soak_plan import (
     Fault,
 )
 from elastic.driver import submit
+from elastic.errors import ClusterError
 from elastic.local import preempt
 from elastic.local import stack as local
 from elastic.local.fault_plan import ERROR_500, LATENCY, SLOW_DOWN
@@ -51,6 +52,7 @@ POLL_SECONDS = 1.0
 S3_BURST = 2  # failed requests per burst: fewer than the bounded retries of one request (storage.S3_ATTEMPTS)
 SLOW_SECONDS = 0.05  # added to every S3 request while the slow window lasts
 STOP_TIMEOUT = 180.0
+REPLACE_TIMEOUT = 400.0  # for a replacement node to join
 
 
 @dataclass
@@ -116,6 +118,21 @@ class FaultedRun:
         outside = [r for r, f in zip(records, faults) if not f.in_worker]
         started = time.monotonic()
         self._submit()
+        try:
+            status = self._loop(outside)
+        finally:  # whatever went wrong, no job of the soak and no fault outlives it
+            self._quiet_proxy()
+            self._stop_if_running()
+        for record in outside:
+            record.detail = "not fired: the run ended before it reached this step"
+        for record, fault in zip(records, faults):
+            if fault.in_worker:
+                self._check_marker(record, fault)
+        seconds = round(time.monotonic() - started, 1)
+        return FaultedRunResult(status, records, seconds, list(self.job_ids))
+
+    def _loop(self, outside: list[FaultRecord]) -> str:
+        """Fire `outside` (taken off the list as they fire) until the job ends; returns its final status."""
         waiting: tuple[FaultRecord, Callable[[], bool], Callable[[], bool]] | None = None
         status = "PENDING"
         while True:
@@ -134,14 +151,12 @@ class FaultedRun:
             time.sleep(POLL_SECONDS)
         if waiting is not None:  # the run ended first: the fault counts if it fired and the run recovered
             self._settle(*waiting)
-        self._quiet_proxy()
-        for record in outside:
-            record.detail = "not fired: the run ended before it reached this step"
-        for record, fault in zip(records, faults):
-            if fault.in_worker:
-                self._check_marker(record, fault)
-        seconds = round(time.monotonic() - started, 1)
-        return FaultedRunResult(status, records, seconds, list(self.job_ids))
+        return status
+
+    def _stop_if_running(self) -> None:
+        if self.job_ids and str(self.jobs.get_job_status(self.job_ids[-1]).value) not in submit.TERMINAL:
+            log.warning("stopping job %s: the soak ended before it", self.job_ids[-1])
+            self.jobs.stop_job(self.job_ids[-1])
 
     # -- the job
     def _submit(self) -> None:
@@ -220,15 +235,20 @@ class FaultedRun:
         nodes = preempt.select_nodes(state, market="spot", count=count)
         hard = record.kind == HARD_NODE_LOSS
         report = preempt.preempt(
-            nodes,
-            notice=None if hard else self.notice_seconds,
-            hard=hard,
-            replace_after=self.replace_after,
-            log=lambda line: self.progress(f"  {line}"),
+            nodes, notice=None if hard else self.notice_seconds, hard=hard, log=lambda line: self.progress(f"  {line}")
         )
         if record.kind == NOTICED_RECLAIM or record.kind == CORRELATED_RECLAIMS:
             record.fired_at = min(r.announced_at or r.killed_at for r in report.reclaims)
         record.detail = ", ".join(f"{r.name} ({r.path})" for r in report.reclaims)
+        time.sleep(self.replace_after)
+        for reclaim in report.reclaims:
+            # As an autoscaler would; on a saturated machine a node may take minutes to join: the run waits.
+            try:
+                node = local.add_node(reclaim.market, timeout=REPLACE_TIMEOUT)
+                self.progress(f"  {reclaim.name}: replaced by {node['name']}")
+            except ClusterError as err:
+                log.warning("no replacement for %s: %s", reclaim.name, err)
+                record.detail += f"; no replacement for {reclaim.name} ({err})"
         return lambda: all(r.processes_killed > 0 for r in report.reclaims)
 
     def _kill_a_training_worker(self, record: FaultRecord) -> bool:
