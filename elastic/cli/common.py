@@ -1,4 +1,4 @@
-"""What the verb modules share: the console and JSON output."""
+"""What the verb modules share: the console, JSON output and worker-count lists."""
 
 from __future__ import annotations
 
@@ -34,3 +34,16 @@ def resolve_run_uri(run: str, root: str | None) -> str:
             f"'{run}' is a run name but no runs root is known; pass --root s3://BUCKET/PREFIX or a full run URI"
         )
     return f"{root.rstrip('/')}/{run}"
+
+
+def worker_counts(text: str | None, default: int) -> list[int]:
+    """--workers: a count or the counts a run moves through, e.g. 2 or 2,1,2 (default: [default])."""
+    if not text:
+        return [default]
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or any(c < 1 for c in counts):
+        raise UserError(f"--workers {text!r}: expected a count or counts like 2 or 2,1,2")
+    return counts

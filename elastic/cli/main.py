@@ -12,7 +12,21 @@ import sys
 import click
 
 from elastic import logs
-from elastic.cli import bench, checkpoints, cluster, demo, jobs, local, preempt, report, spec, sweep, verify, watch
+from elastic.cli import (
+    bench,
+    chaos,
+    checkpoints,
+    cluster,
+    demo,
+    jobs,
+    local,
+    preempt,
+    report,
+    spec,
+    sweep,
+    verify,
+    watch,
+)
 from elastic.driver.auth import auth_failure
 from elastic.errors import ElasticError, JobFailed, UserError
 
@@ -51,6 +65,7 @@ for command in (
     checkpoints.checkpoints_group,
     report.report_cmd,
     verify.verify_resume_cmd,
+    chaos.chaos_group,
     bench.bench_group,
     sweep.sweep_cmd,
     demo.demo_cmd,

@@ -9,10 +9,9 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from elastic.cli.common import console
+from elastic.cli.common import console, worker_counts
 from elastic.cli.remote import finish, remote_options, run_remotely
 from elastic.driver.remote import remote_address
-from elastic.errors import UserError
 
 
 @click.command("verify-resume")
@@ -66,7 +65,7 @@ def verify_resume_cmd(
     from elastic.driver import submit
 
     spec = load_job_spec(job_file, overrides)
-    workers = _worker_counts(workers_text, spec.workers.min)
+    workers = worker_counts(workers_text, spec.workers.min)
     stamp = time.strftime("%m%d%H%M%S")
     if address := remote_address(address):
         result = run_remotely(address, f"verify-resume {spec.name} {stamp}", as_json, detach)
@@ -85,18 +84,6 @@ def verify_resume_cmd(
     finish(result, as_json, _show_verify)
     if not result["passed"]:
         sys.exit(1)
-
-
-def _worker_counts(text: str | None, default: int) -> list[int]:
-    if not text:
-        return [default]
-    try:
-        counts = [int(part) for part in text.split(",")]
-    except ValueError:
-        counts = []
-    if not counts or any(c < 1 for c in counts):
-        raise UserError(f"--workers {text!r}: expected a count or counts like 2 or 2,1,2")
-    return counts
 
 
 def _show_verify(report: dict) -> None:

@@ -23,21 +23,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from elastic.checkpoint.store import CheckpointStore, run_directory
 from elastic.config.spec import JobSpec
+from elastic.diagnostics.records import RunRecords, audited_spec, samples
 from elastic.driver import submit
 from elastic.driver.runs import read_summary
 from elastic.errors import SpecError, UserError, VerifyFailed
 from elastic.local.stack import home_dir
-from elastic.worker.audit import (
-    AUDIT_VARIABLE,
-    Divergence,
-    History,
-    check_exactly_once,
-    first_divergence,
-    read_history,
-)
-from elastic.worker.chaos import KILL_AT_VARIABLE, Kill, format_plan
+from elastic.worker.audit import Divergence, check_exactly_once, first_divergence
+from elastic.worker.chaos import Kill, format_plan
 
 # Across a worker-count change: |loss - baseline| <= REL * |baseline| + ABS for every epoch's mean loss. Loose
 # on purpose: fewer workers take more (smaller) optimizer steps per epoch and legitimately learn faster per
@@ -171,13 +164,14 @@ class Verifier:
         self.log = log
         self.progress = progress
         self.stamp = stamp or time.strftime("%m%d%H%M%S")
+        self.records = RunRecords(spec)
 
     def run(self, kills: int, workers: list[int], notices: int = 0) -> VerifyReport:
         points = kill_points(kills, len(workers), notices)
         base_suffix, kill_suffix = f"verify-{self.stamp}-base", f"verify-{self.stamp}-kills"
-        baseline = self._segment(base_suffix, workers[0], [], max_failures=0)
-        base_history = self._history(baseline.run)
-        total = _samples(base_history, base_history.final_step)
+        baseline = self.run_segment(base_suffix, workers[0], [], max_failures=0)
+        base_history = self.records.history(baseline.run)
+        total = samples(base_history, base_history.final_step)
         per_rank_step = total / max(1, base_history.final_step * workers[0])
 
         interrupted: RunReport | None = None
@@ -191,8 +185,8 @@ class Verifier:
                 mine.append(remaining.pop(0))
                 if mine[-1].ends_segment:
                     break
-            resumed = self._latest_step(kill_suffix)
-            consumed = _samples(self._history(self.spec.run_name(kill_suffix)), resumed) if resumed else 0
+            resumed = self.records.latest_step(self.spec.run_name(kill_suffix))
+            consumed = samples(self.records.history(self.spec.run_name(kill_suffix)), resumed) if resumed else 0
             plan = [
                 Kill(
                     kill_step(p, resumed, consumed, total, per_rank_step * count, self.spec.checkpoint.every_steps),
@@ -210,7 +204,7 @@ class Verifier:
             # preemptions, not failures).
             killing = sum(1 for k in plan if not k.notice)
             budget = killing if last else killing - 1
-            interrupted = self._segment(kill_suffix, count, plan, max_failures=budget, expect_failure=not last)
+            interrupted = self.run_segment(kill_suffix, count, plan, max_failures=budget, expect_failure=not last)
             just_in_time_ends += interrupted.just_in_time_ends  # each segment's summary covers that segment
         assert interrupted is not None
         interrupted.just_in_time_ends = just_in_time_ends
@@ -220,19 +214,11 @@ class Verifier:
         return self._compare(baseline, interrupted, kills, notices, workers)
 
     # -- one submission
-    def _segment(
+    def run_segment(
         self, suffix: str, workers: int, plan: list[Kill], max_failures: int, expect_failure: bool = False
     ) -> RunReport:
-        env = {**self.spec.runtime_env.env_vars, AUDIT_VARIABLE: "1"}
-        if plan:
-            env[KILL_AT_VARIABLE] = format_plan(plan)
-        spec = self.spec.model_copy(
-            update={
-                "workers": self.spec.workers.model_copy(update={"min": workers, "max": workers}),
-                "failure": self.spec.failure.model_copy(update={"max_failures": max_failures}),
-                "runtime_env": self.spec.runtime_env.model_copy(update={"env_vars": env}),
-            }
-        )
+        """Submit the audited job with the in-worker faults of `plan`, follow it to its end, and report."""
+        spec = audited_spec(self.spec, workers, plan, max_failures)
         what = f"{workers} workers" + (f", kills at {format_plan(plan)}" if plan else ", uninterrupted")
         self.progress(f"run {spec.run_name(suffix)}: {what}")
         started = time.monotonic()
@@ -248,7 +234,7 @@ class Verifier:
                 f"see {self.log.name}"
             )
         self.progress(f"run {spec.run_name(suffix)}: {status.lower()} after {seconds} s")
-        history = self._history(spec.run_name(suffix))
+        history = self.records.history(spec.run_name(suffix))
         check = check_exactly_once(history)
         summary = read_summary(spec, spec.run_name(suffix)) or {}
         ends = sum(1 for p in summary.get("placements", []) if p.get("ended_by") == "preemption")
@@ -266,45 +252,17 @@ class Verifier:
             just_in_time_ends=ends,
         )
 
-    # -- storage
-    def _store(self, run_name: str) -> CheckpointStore:
-        return CheckpointStore(run_directory(self.spec, run_name))
-
-    def _history(self, run_name: str) -> History:
-        store = self._store(run_name)
-        return read_history(store.fs, store.root)
-
-    def _latest_step(self, suffix: str) -> int:
-        latest = self._store(self.spec.run_name(suffix)).latest_committed()
-        return latest.step if latest else 0
-
-    def _fired(self, run_name: str, kind: str) -> int:
-        """Faults of `kind` (kill, notice) that fired: each left a marker in the run folder."""
-        store = self._store(run_name)
-        store.fs.invalidate_cache(f"{store.root}/chaos")
-        return len(store.fs.glob(f"{store.root}/chaos/{kind}-*"))
-
     # -- comparison
     def _compare(
         self, baseline: RunReport, interrupted: RunReport, kills: int, notices: int, workers: list[int]
     ) -> VerifyReport:
-        import torch
-
-        base_store, kill_store = self._store(baseline.run), self._store(interrupted.run)
-        base_latest, kill_latest = base_store.latest_committed(), kill_store.latest_committed()
+        final = self.records.compare_final(baseline.run, interrupted.run)
+        identical, max_abs_diff = final.identical, final.max_abs_diff
         problems: list[str] = []
-        a = base_store.read_tensors(base_latest.step) if base_latest else {}
-        b = kill_store.read_tensors(kill_latest.step) if kill_latest else {}
-        common = [k for k in a if k in b and a[k].shape == b[k].shape]
-        identical = (
-            bool(a) and a.keys() == b.keys() and len(common) == len(a) and all(torch.equal(a[k], b[k]) for k in common)
-        )
-        diffs = [(a[k].double() - b[k].double()).abs().max().item() for k in common if a[k].numel()]
-        max_abs_diff = max(diffs, default=float("inf"))
-        fired = self._fired(interrupted.run, "kill")
+        fired = len(self.records.fired(interrupted.run, "kill"))
         if fired != kills:
             problems.append(f"{fired} of {kills} planned kills fired")
-        notices_fired = self._fired(interrupted.run, "notice")
+        notices_fired = len(self.records.fired(interrupted.run, "notice"))
         if notices_fired != notices:
             problems.append(f"{notices_fired} of {notices} planned reclaim notices fired")
         elif interrupted.just_in_time_ends < notices:
@@ -313,16 +271,19 @@ class Verifier:
                 "a just-in-time checkpoint (is checkpoint.just_in_time off?)"
             )
         fixed = len(set(workers)) == 1
-        divergence = first_divergence(self._history(baseline.run), self._history(interrupted.run)) if fixed else None
+        divergence = (
+            first_divergence(self.records.history(baseline.run), self.records.history(interrupted.run))
+            if fixed
+            else None
+        )
         if fixed and not identical:
-            changed = [k for k in common if not torch.equal(a[k], b[k])]
             problems.append(
-                f"final state differs from the uninterrupted run's in {len(changed) or 'all'} "
-                f"tensors (e.g. {', '.join(changed[:3])}), max |diff| {max_abs_diff:.3g}"
+                f"final state differs from the uninterrupted run's in {len(final.changed) or 'all'} "
+                f"tensors (e.g. {', '.join(final.changed[:3])}), max |diff| {max_abs_diff:.3g}"
             )
         if divergence is not None:
             problems.append(f"the loss first left the baseline's at {divergence}")
-        diff, within = _loss_gap(baseline.epoch_losses, interrupted.epoch_losses)
+        diff, within = loss_gap(baseline.epoch_losses, interrupted.epoch_losses)
         if not fixed and not within:
             problems.append(f"per-epoch loss moved by up to {diff:.3g}, beyond the tolerance")
         for report in (baseline, interrupted):
@@ -345,7 +306,7 @@ class Verifier:
             baseline=baseline,
             interrupted=interrupted,
             log=self.log.name,
-            tensors_compared=len(common),
+            tensors_compared=final.compared,
             first_loss_divergence=divergence,
             criteria=(
                 "bit-identical final model and optimizer, every sample once per epoch"
@@ -353,16 +314,6 @@ class Verifier:
                 else "every sample once per epoch, per-epoch loss within tolerance"
             ),
         )
-
-
-def _samples(history: History, up_to_step: int) -> int:
-    return sum(
-        len(ix)
-        for s, r in history.steps.items()
-        if s <= up_to_step
-        for batches in r.batches.values()
-        for _, ix in batches
-    )
 
 
 def _check_plan(plan: list[Kill], resumed: int, end: int) -> None:
@@ -374,7 +325,7 @@ def _check_plan(plan: list[Kill], resumed: int, end: int) -> None:
         )
 
 
-def _loss_gap(base: dict[int, float], other: dict[int, float]) -> tuple[float, bool]:
+def loss_gap(base: dict[int, float], other: dict[int, float]) -> tuple[float, bool]:
     epochs = [e for e in base if e in other]
     if not epochs:
         return float("inf"), False

@@ -372,7 +372,17 @@ def add_node(market: str, cpus: int | None = None, gpus: int | None = None, time
         state.roots.append(launched.to_dict())
         state.node_temp_dirs.append(node_temp)
         save_state(state)
-    joined = _wait_for_nodes(state, [node], timeout)[0]
+    try:
+        joined = _wait_for_nodes(state, [node], timeout)[0]
+    except ClusterError:
+        # A node that never joined is taken back out, so later add-node calls do not trip over its dead root.
+        processes.kill_trees([launched])
+        with state_lock():
+            state = load_state() or state
+            state.roots = [r for r in state.roots if r["role"] != node.name]
+            state.retired = [*state.retired, node.name]
+            save_state(state)
+        raise
     daemons = LocalState(**{**asdict(state), "roots": []})
     if market == "spot":
         _start_spot_daemons(joined, daemons, env, home_dir() / "local" / "logs", timeout)

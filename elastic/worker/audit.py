@@ -63,6 +63,9 @@ class SampleLedger:
         self.num_samples = num_samples
         self._batches: list[tuple[int, list[int]]] = []
         self._records: list[dict] = []
+        # Set at a restore: when the loaded checkpoint was committed and when its load began (unix times).
+        self.resumed_commit_time: float | None = None
+        self.load_started: float | None = None
 
     @property
     def folder(self) -> str:
@@ -88,6 +91,8 @@ class SampleLedger:
             "rank": self.rank,
             "world_size": self.world_size,
             "resumed_from": self.resumed_from,
+            "resumed_commit_time": self.resumed_commit_time,
+            "load_started": self.load_started,
             "num_samples": self.num_samples,
             "records": self._records,
         }
@@ -127,6 +132,9 @@ class History:
     attempts: list[str] = field(default_factory=list)
     num_samples: int | None = None
     resumed_from: dict[str, int] = field(default_factory=dict)  # attempt -> the checkpoint step it resumed from
+    # attempt -> (commit time of the checkpoint it loaded, when the load began); attempts that resumed only
+    restores: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    last_step: dict[str, int] = field(default_factory=dict)  # attempt -> the last step it recorded (superseded too)
 
     @property
     def final_step(self) -> int:
@@ -175,6 +183,9 @@ def read_history(fs, run_root: str) -> History:
             del history.steps[step]
         history.attempts.append(attempt)
         history.resumed_from[attempt] = resumed_from
+        if resumed_from:
+            history.restores[attempt] = (parts[0].get("resumed_commit_time"), parts[0].get("load_started"))
+        history.last_step[attempt] = max((r["step"] for part in parts for r in part["records"]), default=resumed_from)
         for part in parts:
             history.num_samples = part.get("num_samples") or history.num_samples
             for record in part["records"]:
@@ -185,6 +196,19 @@ def read_history(fs, run_root: str) -> History:
                 entry.batches[part["rank"]] = [(e, list(ix)) for e, ix in record["batches"]]
                 entry.loss[part["rank"]] = record["loss"]
     return history
+
+
+def torn_loads(history: History) -> list[str]:
+    """The restores that loaded a torn checkpoint: one whose commit marker did not exist when the load began
+    (no marker, or one written after). A ledger from before these records were kept counts as torn: unproven."""
+    torn = []
+    for attempt, (committed_at, load_started) in sorted(history.restores.items()):
+        step = history.resumed_from[attempt]
+        if committed_at is None or load_started is None:
+            torn.append(f"attempt {attempt} loaded step {step} without a commit marker on record")
+        elif committed_at > load_started:
+            torn.append(f"attempt {attempt} loaded step {step}, committed {committed_at - load_started:.3f} s later")
+    return torn
 
 
 @dataclass(frozen=True)

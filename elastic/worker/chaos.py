@@ -11,6 +11,9 @@ Set ELASTIC_CHAOS_KILL_AT="STEP[:RANK[:save|notice]],..." in the job's environme
   preemption mark would: the run writes its just-in-time checkpoint and the driver resumes it from there.
   Notices are read by rank 0, so their rank is always 0.
 
+ELASTIC_CHAOS_STEP_SECONDS=0.2 makes every worker sleep that long after each step: a chaos soak stretches a
+fast job with it, so that a reclaim with notice still finds the run training (sleeping changes no numbers).
+
 A planned fault leaves a marker in the run folder when it fires, so the restarted run (which replays from its
 last checkpoint) does not fire it again.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +30,7 @@ from elastic.checkpoint.store import CheckpointStore
 from elastic.worker.jit import Notice
 
 KILL_AT_VARIABLE = "ELASTIC_CHAOS_KILL_AT"
+STEP_SECONDS_VARIABLE = "ELASTIC_CHAOS_STEP_SECONDS"
 
 _log = logging.getLogger(__name__)
 
@@ -74,10 +79,13 @@ class Chaos:
         self.notices = sorted(k.step for k in mine if k.notice)
         self._step = 0
         self._notice: Notice | None = None
+        self.step_seconds = float(os.environ.get(STEP_SECONDS_VARIABLE) or 0)
 
     def maybe_kill(self, step: int) -> None:
         """Called after every optimizer step."""
         self._step = step
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
         if step in self.at_step:
             self._kill(f"step-{step}", f"at step {step}")
 

@@ -21,6 +21,7 @@ current world size), the step, every tracked object, each rank's python/numpy/to
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -279,13 +280,16 @@ class Session:
             self._attempt.training()
             self._telemetry.resumed(0)
             return 0
+        loading_since = time.time()
         step, state = self.checkpointer.load_newest(committed, self._state.template)
         self._state.load_state_dict(state)
         if self.is_chief and step != max(committed):
             retire_unreadable(self.store, step, committed, self.log)
-        self._start_ledger(step)
-        self.restored_step = self._last_saved_step = self.step_count
         info = self.store.info(step)
+        # The ledger keeps when the loaded checkpoint was committed and when the load began: a chaos soak
+        # proves from them that no torn checkpoint was ever loaded (the marker predates the load).
+        self._start_ledger(step, commit_time=info.time if info.committed else None, load_started=loading_since)
+        self.restored_step = self._last_saved_step = self.step_count
         self._attempt.restored(self.step_count, info.world_size or 0, self.world_size)
         self._attempt.training()
         self._telemetry.resumed(self.step_count)
@@ -393,7 +397,9 @@ class Session:
         self._attempt.close()
 
     # -- internals
-    def _start_ledger(self, resumed_from: int) -> None:
+    def _start_ledger(
+        self, resumed_from: int, commit_time: float | None = None, load_started: float | None = None
+    ) -> None:
         """Auditing only: every rank of this attempt files its records under one id, made by rank 0."""
         if not isinstance(self._ledger, SampleLedger):
             return
@@ -401,6 +407,7 @@ class Session:
         if dist.is_initialized():
             dist.broadcast_object_list(attempt, src=0, group=self._checkpoint_group)
         self._ledger.attempt, self._ledger.resumed_from = attempt[0], resumed_from
+        self._ledger.resumed_commit_time, self._ledger.load_started = commit_time, load_started
 
     def _samples_per_step(self) -> int | None:
         """Samples in one optimizer step over all ranks, from the session's loader (None without one)."""

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from elastic.data import ResumableLoader, ResumableSampler
-from elastic.worker.audit import History, SampleLedger, check_exactly_once, read_history
+from elastic.worker.audit import History, SampleLedger, check_exactly_once, read_history, torn_loads
 from elastic.worker.chaos import Kill, format_plan, parse_plan
 
 N, BATCH = 20, 3
@@ -74,6 +74,27 @@ def test_restarts_and_a_resize_replay_into_an_exactly_once_history(tmp_path):
     assert {r.attempt for s, r in history.steps.items() if s > 4} == {"002"}
     result = check_exactly_once(history)
     assert result.ok, result.problems
+
+
+def test_restores_record_the_commit_marker_they_loaded_and_torn_loads_are_named(tmp_path):
+    root = str(tmp_path)
+    fs = fsspec.filesystem("file")
+    state_at_4 = run_attempt(root, "001", world=1, steps=5)
+    # Restored attempts carry the loaded checkpoint's commit time and when the load began.
+    ledger = SampleLedger(fs, root, 0, 1, resumed_from=4, attempt="002", num_samples=N)
+    ledger.resumed_commit_time, ledger.load_started = 100.0, 101.0
+    ledger.on_step(5, {"loss": 0.5})
+    ledger.flush(5)
+    history = read_history(fs, root)
+    assert state_at_4 is not None and history.restores == {"002": (100.0, 101.0)}
+    assert history.last_step == {"001": 4, "002": 5}  # attempt 1 flushed up to 4 (its step 5 was never flushed)
+    assert torn_loads(history) == []
+    history.restores["002"] = (102.5, 101.0)  # committed after the load began: the load saw a torn folder
+    history.restores["003"], history.resumed_from["003"] = (None, 103.0), 4  # no marker at all
+    assert torn_loads(history) == [
+        "attempt 002 loaded step 4, committed 1.500 s later",
+        "attempt 003 loaded step 4 without a commit marker on record",
+    ]
 
 
 def test_a_replayed_step_without_a_resume_shows_duplicates(tmp_path):
