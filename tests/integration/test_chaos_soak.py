@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -52,7 +53,7 @@ def stack(tmp_path_factory):
 def test_a_short_soak_passes_and_leaves_nothing_of_the_run_behind(stack, tmp_path):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    cli = make_cli(stack["cli"].env["ELASTIC_HOME"])
+    cli = make_cli(Path(stack["cli"].env["ELASTIC_HOME"]))
     cli.env["TMPDIR"] = str(scratch)  # the soak's own temporary files, if any, land here
     proc = cli.run(
         "chaos",
