@@ -81,10 +81,11 @@ def select_nodes(
 
 def _nodes_with_training_workers(state: local.LocalState) -> set[str]:
     """Nodes running a Ray Train worker now (a reclaim of an idle node shows nothing)."""
+    # The stack's auth mode and token first: Ray reads RAY_AUTH_MODE once, when it is imported.
+    state.use_ray()
     try:
         from ray.util.state import list_actors  # ray only when a cluster is there to ask: the CLI starts fast
 
-        state.use_ray()  # the stack's auth mode and token
         actors = list_actors(
             address=state.dashboard_url, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
         )

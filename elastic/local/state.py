@@ -144,7 +144,8 @@ class LocalState:
         return {"Authorization": f"Bearer {Path(self.auth_token_path).read_text().strip()}"}
 
     def use_ray(self) -> None:
-        """From now on this process (and what it starts) talks to this stack's Ray with its auth."""
+        """From now on this process (and what it starts) talks to this stack's Ray with its auth. Call it before
+        this process imports Ray: Ray reads RAY_AUTH_MODE once, at import (seen with Ray 2.60's state API)."""
         # RAY_AUTH_TOKEN takes precedence over the token path in Ray: a token for another cluster would be sent.
         os.environ.pop("RAY_AUTH_TOKEN", None)
         os.environ.update(self.auth_env())

@@ -361,9 +361,6 @@ def disconnect() -> None:
 
 def connect(job: JobSpec | None = None) -> None:
     """Attach this process to the cluster as the sweep's driver; the working dir travels to every trial."""
-    import ray
-    import torch  # noqa: F401  (before ray.init: see elastic.driver.fitting)
-
     address = os.environ.get("RAY_ADDRESS")
     state = local.running_state()
     if not address and state is not None:
@@ -371,6 +368,10 @@ def connect(job: JobSpec | None = None) -> None:
         address = state.ray_address
     if state is not None and address == state.ray_address:
         state.use_ray()  # the stack's auth mode and token, whatever this shell exported
+    # Imported only now: Ray reads RAY_AUTH_MODE once, when it is imported.
+    import ray
+    import torch  # noqa: F401  (before ray.init: see elastic.driver.fitting)
+
     if state is not None and state.logical_gpus:
         os.environ["ELASTIC_LOGICAL_GPUS"] = "1"
     try:
