@@ -102,23 +102,7 @@ def _client(endpoint: str):
 
 
 def _wait_for_bucket(endpoint: str, timeout: float) -> None:
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    client = _client(endpoint)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            client.create_bucket(Bucket=BUCKET)
-            return
-        except ClientError as err:
-            if err.response.get("Error", {}).get("Code") in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
-                return
-            if time.monotonic() > deadline:
-                raise
-        except BotoCoreError:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.05)
+    s3servers.create_bucket(endpoint, BUCKET, LOCAL_AWS_KEY, timeout, poll_seconds=0.05)
 
 
 def _filesystem(endpoint: str):

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,3 +105,28 @@ def command(name: str, port: int, data: Path, free_port: Callable[[], int]) -> l
     if chosen.persistent:
         data.mkdir(parents=True, exist_ok=True)
     return chosen.command(processes.binary(chosen.binary, chosen.package), port, data, free_port)
+
+
+def create_bucket(endpoint: str, bucket: str, key: str, timeout: float, poll_seconds: float = 0.5) -> None:
+    """Create `bucket` on the server at `endpoint`, unless it is there already (a persistent server kept it);
+    retried until `timeout`: SeaweedFS's S3 gateway listens a moment before its filer answers."""
+    import boto3  # only when a server is started: the CLI starts fast
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=key, aws_secret_access_key=key
+    )
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.create_bucket(Bucket=bucket)
+            return
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                return
+            if time.monotonic() > deadline:
+                raise
+        except BotoCoreError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(poll_seconds)

@@ -312,32 +312,9 @@ def _check_roots_alive(state: LocalState) -> None:
 
 
 def _create_bucket(state: LocalState, timeout: float) -> None:
-    """Create the bucket unless a persistent endpoint kept it from the last `up`."""
-    import boto3  # only when the stack starts: the CLI starts fast
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=state.s3_upstream or state.s3_endpoint,  # straight to the server: the proxy may be injecting
-        region_name="us-east-1",
-        aws_access_key_id=LOCAL_AWS_KEY,
-        aws_secret_access_key=LOCAL_AWS_KEY,
-    )
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            client.create_bucket(Bucket=state.bucket)
-            return
-        except ClientError as err:
-            if err.response.get("Error", {}).get("Code") in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
-                return
-            if time.monotonic() > deadline:
-                raise
-        except BotoCoreError:
-            # SeaweedFS's S3 gateway listens a moment before its filer answers; retry until the deadline.
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.5)
+    """Create the bucket unless a persistent endpoint kept it from the last `up`; straight on the server, since
+    a fault proxy in front of it may be injecting."""
+    s3servers.create_bucket(state.s3_upstream or state.s3_endpoint, state.bucket, LOCAL_AWS_KEY, timeout)
 
 
 # ---------------------------------------------------------------------------------------------------------
