@@ -87,9 +87,15 @@ def test_local_up_reports_labeled_nodes_and_bucket(stack, stack_env, prometheus)
     s3(stack_env).head_bucket(Bucket=stack["bucket"])  # raises if the bucket is missing
 
 
-def leaked(text: str | bytes) -> list[str]:
+# Secrets the job itself carries in runtime_env.env_vars. Its AWS keys and Ray token must be the stack's own for
+# the job to run (SeaweedFS checks the keys; Ray's token auth the token), so the job's credentials are the
+# stack's real Ray token and API keys of services it does not call; the client's are the fake AWS keys above.
+JOB_SECRETS = {"HF_TOKEN": "hf_elasticfakehuggingfacetoken3k9", "WANDB_API_KEY": "elastic-fake-wandb-key-8d2m"}
+
+
+def leaked(text: str | bytes, secrets: dict[str, str] | None = None) -> list[str]:
     data = text.encode() if isinstance(text, str) else text
-    return [name for name, value in SECRETS.items() if value.encode() in data]
+    return [name for name, value in (secrets or SECRETS).items() if value.encode() in data]
 
 
 def test_submit_trains_on_spot_nodes_and_checkpoints_to_s3(stack, stack_env):
@@ -97,7 +103,10 @@ def test_submit_trains_on_spot_nodes_and_checkpoints_to_s3(stack, stack_env):
     # The job runs with credentials in its environment, passed the way a user would (runtime_env.env_vars); the
     # CLI that submits it has them too. No secret may leak: checked at the end of this test.
     with_secrets = Cli({**cli.env, **SECRETS})
-    secret_vars = [f"--set=runtime_env.env_vars.{name}={value}" for name, value in SECRETS.items()]
+    ray_token = (Path(cli.env["ELASTIC_HOME"]) / "local" / "auth_token").read_text().strip()
+    job_secrets = {**JOB_SECRETS, "RAY_AUTH_TOKEN": ray_token}
+    every_secret = {**SECRETS, **{f"job {k}": v for k, v in job_secrets.items()}}
+    secret_vars = [f"--set=runtime_env.env_vars.{name}={value}" for name, value in job_secrets.items()]
     proc = with_secrets.run(
         "submit",
         "jobs/digits_ddp.yaml",
@@ -144,16 +153,25 @@ def test_submit_trains_on_spot_nodes_and_checkpoints_to_s3(stack, stack_env):
         "checkpoints ls --json": json.dumps(listing),
         "spec check": with_secrets.run("spec", "check", "jobs/digits_ddp.yaml", *secret_vars, check=True).stdout,
     }
-    assert {name: leaked(text) for name, text in outputs.items() if leaked(text)} == {}
+    assert {name: leaked(text, every_secret) for name, text in outputs.items() if leaked(text, every_secret)} == {}
     client = s3(stack_env)
     run_keys = list_keys(stack_env, stack["bucket"], f"runs/{RUN_NAME}/")
     objects = {key: client.get_object(Bucket=stack["bucket"], Key=key)["Body"].read() for key in run_keys}
     assert len(objects) > 10
-    assert {key: leaked(data) for key, data in objects.items() if leaked(data)} == {}
+    assert {key: leaked(data, every_secret) for key, data in objects.items() if leaked(data, every_secret)} == {}
     # ... nor in the files of the stack's home: our daemons' logs (watchers, metadata servers), the stack's state.
     home = Path(cli.env["ELASTIC_HOME"])
-    files = [p for p in home.rglob("*") if p.is_file() and not p.is_symlink()]
-    assert files and {str(p): leaked(p.read_bytes()) for p in files if leaked(p.read_bytes())} == {}
+    # (The token's own file, auth_token, is where the stack keeps it; the bucket's data files are the objects
+    # checked above.)
+    files = [
+        p
+        for p in home.rglob("*")
+        if p.is_file() and not p.is_symlink() and p.name != "auth_token" and "s3" not in p.relative_to(home).parts
+    ]
+    assert (
+        files
+        and {str(p): leaked(p.read_bytes(), every_secret) for p in files if leaked(p.read_bytes(), every_secret)} == {}
+    )
 
 
 def test_resubmitting_the_same_job_resumes_its_run(stack, stack_env):
