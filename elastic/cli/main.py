@@ -29,6 +29,7 @@ from elastic.cli import (
 )
 from elastic.driver.auth import auth_failure
 from elastic.errors import ElasticError, JobFailed, UserError
+from elastic.local import state as local_state
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -52,6 +53,9 @@ def cli(verbose: bool, quiet: bool) -> None:
         # Children (job drivers, workers, local daemons) read it from the environment.
         os.environ[logs.LEVEL_VARIABLE] = logging.getLevelName(level)
     logs.configure(level)
+    # The local stack's Ray token for the verbs that talk to it, set before any of them imports Ray (Ray reads
+    # RAY_AUTH_MODE once, at import); a verb given --address talks to that cluster with its own auth.
+    local_state.use_stack_auth(targets_elsewhere="--address" in sys.argv)
 
 
 for command in (

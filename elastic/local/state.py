@@ -230,3 +230,15 @@ def running_state() -> LocalState | None:
     """The local stack's state if it is up, else None."""
     state = load_state()
     return state if state is not None and is_running(state) else None
+
+
+def use_stack_auth(targets_elsewhere: bool = False) -> LocalState | None:
+    """Before this process imports Ray: when the running local stack is the cluster it will talk to (no
+    RAY_ADDRESS, or the stack's, and no other target given), take the stack's auth mode and token. Ray reads
+    RAY_AUTH_MODE once, when it is imported, so setting it later is too late."""
+    state = running_state()
+    if state is None or targets_elsewhere:
+        return state
+    if os.environ.get("RAY_ADDRESS") in (None, "", state.ray_address):
+        state.use_ray()
+    return state
