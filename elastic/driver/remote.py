@@ -78,7 +78,14 @@ def start(target: Target, argv: list[str], key: str, working_dir: Path, attach_r
             "excludes": DEFAULT_EXCLUDES,
             # The verb inside the job reaches the job API through the same address (run on the head, a tunnel's
             # http://127.0.0.1:8265 is the head's own dashboard too).
-            "env_vars": {**log_level_environment(), RESULT_VARIABLE: "1", "RAY_API_SERVER_ADDRESS": target.address},
+            # RAY_OVERRIDE_JOB_RUNTIME_ENV: a verb that starts its own Ray driver inside the job (a sweep's Tune
+            # driver) passes ray.init a runtime_env of its own; Ray refuses the two unless told to combine them.
+            "env_vars": {
+                **log_level_environment(),
+                RESULT_VARIABLE: "1",
+                "RAY_API_SERVER_ADDRESS": target.address,
+                "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1",
+            },
         },
         # RUN_METADATA_KEY lists it in `elastic status` and lets `elastic stop` find it by key or job id.
         metadata={RUN_METADATA_KEY: key, COMMAND_METADATA_KEY: argv[0]},
