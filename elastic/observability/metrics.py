@@ -23,6 +23,8 @@ METRIC_NAMES = {
     "step_seconds": "ray_elastic_step_seconds",
     "checkpoint_save_seconds": "ray_elastic_checkpoint_save_seconds",
     "checkpoint_stall_seconds": "ray_elastic_checkpoint_stall_seconds",
+    "last_checkpoint_save": "ray_elastic_last_checkpoint_save_seconds",
+    "last_checkpoint_stall": "ray_elastic_last_checkpoint_stall_seconds",
     "last_checkpoint": "ray_elastic_last_checkpoint_timestamp_seconds",
     "checkpoint_interval": "ray_elastic_checkpoint_interval_seconds",
     "lost_steps": "ray_elastic_lost_steps_total",
@@ -86,6 +88,14 @@ class RunMetrics(NoMetrics):
             CHECKPOINT_SECONDS_BOUNDARIES,
             run,
         )
+        # The last commit's save and stall as gauges too: checkpoints are minutes apart, so a histogram's rate
+        # over a dashboard window is mostly empty, while a gauge steps at each commit and holds between them.
+        self._last_save = Gauge(
+            "elastic_last_checkpoint_save_seconds", "The last committed checkpoint's save time (rank 0).", run
+        )
+        self._last_stall = Gauge(
+            "elastic_last_checkpoint_stall_seconds", "How long the last checkpoint blocked the loop (rank 0).", run
+        )
         self._last_checkpoint = Gauge(
             "elastic_last_checkpoint_timestamp_seconds", "Unix time of the last committed checkpoint.", run
         )
@@ -120,6 +130,8 @@ class RunMetrics(NoMetrics):
     def checkpoint_committed(self, save_seconds: float, stall_seconds: float, committed_at: float) -> None:
         self._save.observe(save_seconds, self._tags)
         self._stall.observe(stall_seconds, self._tags)
+        self._last_save.set(save_seconds, self._tags)
+        self._last_stall.set(stall_seconds, self._tags)
         self._last_checkpoint.set(committed_at, self._tags)
 
     def checkpoint_interval(self, seconds: float) -> None:

@@ -108,7 +108,9 @@ def test_a_sweep_runs_from_a_laptop_through_the_job_api(stack, monkeypatch):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     assert len(result["trials"]) == 2 and result["errors"] == 0, result
-    assert all(t["state"] == "TERMINATED" for t in result["trials"]), result["trials"]
+    # ASHA may stop the worse trial at a rung (STOPPED); every trial ran and reported, none errored.
+    assert all(t["state"] in ("TERMINATED", "STOPPED") and t["metric"] is not None for t in result["trials"])
+    assert any(t["state"] == "TERMINATED" for t in result["trials"]), result["trials"]
     assert set(result["best_config"]) == {"lr", "width", "batch_size"}
     assert "[sweep]" in proc.stderr  # its progress streamed from the job
     monkeypatch.setenv("RAY_AUTH_MODE", stack["env"]["RAY_AUTH_MODE"])  # the stack's auth mode
