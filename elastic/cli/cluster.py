@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from elastic.cli.common import print_json
+from elastic.errors import UserError
 
 
 @click.group("cluster")
@@ -41,3 +42,46 @@ def cluster_validate(config_file: Path, as_json: bool) -> None:
         click.echo(f"{config_file}: {problem.key}: {problem.message}", err=True)
     if problems:
         sys.exit(2)
+
+
+@cluster_group.command("rehearse")
+@click.argument("config_file", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the report (phases, durations, lost_steps) as JSON.")
+@click.option("--keep", is_flag=True, help="Keep the rehearsal's folder (node HOMEs, logs); kept anyway on failure.")
+def cluster_rehearse(config_file: Path, as_json: bool, keep: bool) -> None:
+    """Play a `ray up` config's node life cycle on this machine, everything but `ray up`'s cloud calls: copy its
+    file_mounts, run its setup and head commands in a fresh HOME with a fresh venv, start one spot and one
+    on-demand worker with their labels (the spot node's watcher against a local metadata server), submit
+    jobs/digits_ddp.yaml through the job API with the config's token auth, reclaim the spot node through its
+    metadata server, and check that the run finishes with 0 lost steps. Run it from the repository root, where
+    `ray up` runs. Exits 1 when a phase fails; everything it started is stopped.
+
+    \b
+    Example:
+      elastic cluster rehearse cluster-configs/aws-spot-gpu.yaml --json
+    """
+    import yaml
+
+    from elastic.rehearsal.plan import PlanError
+    from elastic.rehearsal.runner import rehearse
+
+    try:
+        report = rehearse(config_file, keep=keep)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise UserError(
+            f"{config_file}: not a YAML cluster config ({type(err).__name__}); pass a `ray up` YAML"
+        ) from None
+    except PlanError as err:
+        raise UserError(f"{config_file}: {err}") from None
+    if as_json:
+        print_json(report.to_json())
+    else:
+        for phase in report.phases:
+            click.echo(f"{phase.name:<12} {'ok' if phase.ok else 'FAILED':<7} {phase.seconds:6.1f} s")
+        click.echo(f"run {report.run}: lost_steps {report.lost_steps}, preemptions {report.preemptions}")
+        if report.workdir:
+            click.echo(f"logs: {report.workdir}")
+    if report.error:
+        click.echo(f"rehearsal failed: {report.error}", err=True)
+    if not report.ok:
+        sys.exit(1)

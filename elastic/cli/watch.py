@@ -17,8 +17,16 @@ from elastic.errors import UserError
     type=click.Choice(["aws", "gcp", "azure", "auto"]),
     help="Whose metadata service to read; auto probes each briefly and exits 0 off-cloud.",
 )
-@click.option("--metadata-url", help="Metadata service base URL (default: http://169.254.169.254).")
-@click.option("--node-id", help="Ray node to drain, hex (default: the Ray node on this host).")
+@click.option(
+    "--metadata-url",
+    envvar="ELASTIC_METADATA_URL",
+    help="Metadata service base URL (default: http://169.254.169.254; env ELASTIC_METADATA_URL).",
+)
+@click.option(
+    "--node-id",
+    envvar="ELASTIC_NODE_ID",
+    help="Ray node to drain, hex (default: the Ray node on this host; env ELASTIC_NODE_ID).",
+)
 @click.option("--address", help="Ray GCS address HOST:PORT (default: RAY_ADDRESS, else the cluster this host joined).")
 @click.option("--poll-seconds", default=5.0, show_default=True, type=float, help="Seconds between polls.")
 @click.option(
