@@ -51,7 +51,7 @@ lint: install
 	promtool test rules deploy/prometheus/elastic-alerts.test.yml
 
 test: lint
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=25
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit

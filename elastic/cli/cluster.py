@@ -66,7 +66,7 @@ def cluster_rehearse(config_file: Path, as_json: bool, keep: bool) -> None:
     from elastic.rehearsal.runner import rehearse
 
     try:
-        report = rehearse(config_file, keep=keep)
+        report = rehearse(config_file, keep=keep, progress=lambda line: click.echo(f"[rehearse] {line}", err=True))
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise UserError(
             f"{config_file}: not a YAML cluster config ({type(err).__name__}); pass a `ray up` YAML"
@@ -76,8 +76,6 @@ def cluster_rehearse(config_file: Path, as_json: bool, keep: bool) -> None:
     if as_json:
         print_json(report.to_json())
     else:
-        for phase in report.phases:
-            click.echo(f"{phase.name:<12} {'ok' if phase.ok else 'FAILED':<7} {phase.seconds:6.1f} s")
         click.echo(f"run {report.run}: lost_steps {report.lost_steps}, preemptions {report.preemptions}")
         if report.workdir:
             click.echo(f"logs: {report.workdir}")

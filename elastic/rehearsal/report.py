@@ -31,7 +31,7 @@ class Report:
     preemptions: int | None = None
     error: str | None = None
     workdir: str | None = None
-    rewrites: list[str] = field(default_factory=list)
+    rewrites: dict[str, list[str]] = field(default_factory=dict)  # by node role, in the order made
 
     @property
     def ok(self) -> bool:
@@ -61,4 +61,5 @@ STAND_INS = [
     "three nodes on one host: each has its own HOME and Ray temp dir; the watcher is told its node "
     "(ELASTIC_NODE_ID) and the cluster (RAY_ADDRESS), which a host with one raylet finds itself",
     "no GPU: the node types' GPUs are Ray resources only (ELASTIC_LOGICAL_GPUS=1)",
+    "this machine's pip settings (index, wheel folders, cache) in the fresh HOMEs: the install is the config's",
 ]

@@ -28,8 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -46,11 +47,14 @@ log = logging.getLogger("elastic.rehearsal")
 
 BUCKET = "elastic"
 JOB = "jobs/digits_ddp.yaml"
+SHIM_DIR = ".rehearsal-bin"  # in each node's HOME
 RECLAIM_NOTICE_SECONDS = 12.0
 JOB_TIMEOUT_SECONDS = 900.0
 
 
-def rehearse(config_path: Path, keep: bool = False, s3: str = "seaweedfs") -> Report:
+def rehearse(
+    config_path: Path, keep: bool = False, s3: str = "seaweedfs", progress: Callable[[str], None] = log.info
+) -> Report:
     """Raises PlanError (before starting anything) for a config that cannot be rehearsed."""
     import yaml
 
@@ -63,7 +67,7 @@ def rehearse(config_path: Path, keep: bool = False, s3: str = "seaweedfs") -> Re
     pick_node_types(config)
     report = Report(str(config_path), provider)
     work = Path(tempfile.mkdtemp(prefix="elastic-rehearsal-"))
-    rehearsal = _Rehearsal(config, provider, work, report, s3)
+    rehearsal = _Rehearsal(config, provider, work, report, s3, progress)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         rehearsal.run()
@@ -71,14 +75,20 @@ def rehearse(config_path: Path, keep: bool = False, s3: str = "seaweedfs") -> Re
         report.error = str(err)
     except KeyboardInterrupt:
         report.error = "interrupted"
+    except Exception as err:  # a bug or an unforeseen failure: reported, and everything still stopped
+        trace = work / "logs" / "rehearsal-error.log"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.write_text(traceback.format_exc())
+        report.error = f"{type(err).__name__}: {err} (traceback: {trace})"
     finally:
         signal.signal(signal.SIGTERM, previous)
         stopped = rehearsal.stop_everything()
-        log.info("stopped %d processes", stopped)
+        progress(f"stopped the {stopped} processes it started")
         if keep or not report.ok:
-            report.workdir = str(work)
+            report.workdir = str(work)  # the nodes' Ray logs stay in their temp dirs, named in the node logs
         else:
             shutil.rmtree(work, ignore_errors=True)
+            rehearsal.remove_temp_dirs()
     return report
 
 
@@ -87,8 +97,9 @@ def _interrupt(*_) -> None:
 
 
 class _Rehearsal:
-    def __init__(self, config: dict, provider: str, work: Path, report: Report, s3: str):
+    def __init__(self, config: dict, provider: str, work: Path, report: Report, s3: str, progress):
         self.config, self.provider, self.work, self.report, self.s3 = config, provider, work, report, s3
+        self.progress = progress
         self.marker = f"rehearsal-{uuid.uuid4().hex[:12]}"
         self.roots: list[processes.Launched] = []
         self.laptop_home = work / "laptop"
@@ -104,12 +115,13 @@ class _Rehearsal:
         phase = Phase(name)
         self.report.phases.append(phase)
         started = time.monotonic()
-        log.info("phase %s", name)
+        self.progress(f"{name}...")
         try:
             yield phase
             phase.ok = True
         finally:
             phase.seconds = time.monotonic() - started
+            self.progress(f"{name}: {'ok' if phase.ok else 'FAILED'} in {phase.seconds:.1f} s")
 
     def run(self) -> None:
         head_type, spot_type, on_demand_type = pick_node_types(self.config)
@@ -145,7 +157,9 @@ class _Rehearsal:
             phase.detail.update(self._reclaim_the_spot_node(submission))
         with self.phase("finish") as phase:
             phase.detail.update(self._finish(submission))
-        self.report.rewrites = sorted({r for n in self.nodes.values() for c in n.commands for r in c.rewrites})
+        self.report.rewrites = {
+            role: list(dict.fromkeys(r for c in node.commands for r in c.rewrites)) for role, node in self.nodes.items()
+        }
 
     # -- servers and nodes ------------------------------------------------------------------------------
 
@@ -158,7 +172,10 @@ class _Rehearsal:
         port = free_port()
         server = s3servers.server(self.s3)
         binary = processes.binary(server.binary, server.package)
-        self._launch(s3servers.command(self.s3, port, self.work / "s3", free_port), "s3")
+        # `weed mini` takes its one identity from these at start (as the local stack's does): without it,
+        # signed multipart uploads are refused even though its auth is off.
+        keys = {"AWS_ACCESS_KEY_ID": LOCAL_AWS_KEY, "AWS_SECRET_ACCESS_KEY": LOCAL_AWS_KEY}
+        self._launch(s3servers.command(self.s3, port, self.work / "s3", free_port), "s3", keys)
         self.s3_endpoint = f"http://127.0.0.1:{port}"
         s3servers.create_bucket(self.s3_endpoint, BUCKET, LOCAL_AWS_KEY, timeout=60)
         metadata_port = free_port()
@@ -185,12 +202,11 @@ class _Rehearsal:
         self.token = uuid.uuid4().hex + uuid.uuid4().hex
         token_path.write_text(self.token)
         token_path.chmod(0o600)
-        bin_dir = shims.install(self.work / "shims")
-        pip_cache = Path(os.environ.get("PIP_CACHE_DIR") or Path.home() / ".cache" / "pip")
         for node_type in types:
             role = node_type.role
             home = self.work / "nodes" / role
-            home.mkdir(parents=True)
+            bin_dir = shims.install(home / SHIM_DIR)
+            _fresh_home(home)
             # Ray's unix sockets live under the temp dir: keep its path short.
             temp_dir = Path(tempfile.mkdtemp(prefix=f"el-rh-{role[:4]}-", dir="/tmp"))
             node_ports = {flag: free_port() for flag in listener_flags(role)}
@@ -205,8 +221,9 @@ class _Rehearsal:
                 "AWS_REGION": "us-east-1",
                 "AWS_DEFAULT_REGION": "us-east-1",
                 "ELASTIC_LOGICAL_GPUS": "1",
-                "PIP_CACHE_DIR": str(pip_cache),  # a warm cache: the install is the config's, the download not
-                shims.STATE_VARIABLE: str(self.state_dir),
+                **_pip_settings(),
+                # Each node's units are its own: one node's `systemctl stop elastic-watcher` is not another's.
+                shims.STATE_VARIABLE: str(self.state_dir / role),
                 processes.MARKER_VARIABLE: self.marker,
                 node_ops.NODE_VARIABLE: role,
             }
@@ -220,7 +237,8 @@ class _Rehearsal:
             node.log_path.parent.mkdir(parents=True, exist_ok=True)
             node.commands = plan_node(self.config, node_type, self.ports, node_ports, str(temp_dir), "127.0.0.1")
             self.nodes[role] = node
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        for role in self.nodes:
+            (self.state_dir / role).mkdir(parents=True, exist_ok=True)
 
     def _share_venv(self) -> None:
         """Workers use the head's venv (one install per rehearsal): their `test -x ~/elastic-venv/bin/python`
@@ -261,14 +279,19 @@ class _Rehearsal:
 
     def _kill_the_watcher(self, timeout: float = 30.0) -> dict:
         """SIGKILL the spot node's watcher: its unit (Restart=always) must start it again."""
-        state = _wait_for(lambda: node_ops.unit_state(self.state_dir, "elastic-watcher"), 30)
+        units = self.state_dir / SPOT
+        state = _wait_for(lambda: node_ops.unit_state(units, "elastic-watcher"), 30)
         if not state or not state.get("pid"):
             raise RehearsalFailed("the spot node's commands started no elastic-watcher unit")
-        os.kill(state["pid"], signal.SIGKILL)
+        try:
+            os.kill(state["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            raise RehearsalFailed(
+                f"the spot node's watcher had already exited (log: {self.nodes[SPOT].temp_dir}/session_latest/logs)"
+            ) from None
         killed_at = time.monotonic()
         again = _wait_for(
-            lambda: (s := node_ops.unit_state(self.state_dir, "elastic-watcher")) and s["starts"] > state["starts"],
-            timeout,
+            lambda: (s := node_ops.unit_state(units, "elastic-watcher")) and s["starts"] > state["starts"], timeout
         )
         if not again:
             raise RehearsalFailed(f"the killed watcher was not restarted within {timeout:.0f} s")
@@ -347,10 +370,40 @@ class _Rehearsal:
 
     def stop_everything(self) -> int:
         """Every process carrying the rehearsal's marker (nodes, units, servers), and the nodes' temp dirs."""
-        stopped = processes.stop(self.marker, self.roots)
+        return processes.stop(self.marker, self.roots)
+
+    def remove_temp_dirs(self) -> None:
         for node in self.nodes.values():
             shutil.rmtree(node.temp_dir, ignore_errors=True)
-        return stopped
+
+
+def _pip_settings() -> dict[str, str]:
+    """This machine's pip settings (its index, wheel folders, cache), which a fresh HOME would lose: the install
+    is the config's, where the packages come from is the machine's."""
+    settings = {k: v for k, v in os.environ.items() if k.startswith("PIP_")}
+    settings.setdefault("PIP_CACHE_DIR", str(Path.home() / ".cache" / "pip"))
+    for config in (Path.home() / ".config" / "pip" / "pip.conf", Path.home() / ".pip" / "pip.conf"):
+        if "PIP_CONFIG_FILE" not in settings and config.is_file():
+            settings["PIP_CONFIG_FILE"] = str(config)
+    return settings
+
+
+def _fresh_home(home: Path) -> None:
+    """A new user's HOME as useradd and cloud-init make it (/etc/skel: .profile, .bashrc), whose .bashrc first
+    puts the shims on PATH where a node has /usr/bin's sudo and systemd-run. First: Ray's commands run in a
+    login shell (/etc/profile resets PATH) and source ~/.bashrc again, and a venv's activate there restores the
+    PATH it saw the first time; a PATH entry added after it would be lost."""
+    skel = Path("/etc/skel")
+    if skel.is_dir():
+        shutil.copytree(skel, home, dirs_exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True)
+    bashrc = home / ".bashrc"
+    rest = bashrc.read_text() if bashrc.exists() else ""
+    first = f'case ":$PATH:" in *":$HOME/{SHIM_DIR}:"*) ;; *) PATH="$HOME/{SHIM_DIR}:$PATH" ;; esac  # rehearsal\n'
+    bashrc.write_text(first + rest)
+    profile = home / ".profile"
+    if not profile.exists():
+        profile.write_text('[ -f "$HOME/.bashrc" ] && . "$HOME/.bashrc"\n')
 
 
 def _wait_for(check, timeout: float, poll: float = 0.5):

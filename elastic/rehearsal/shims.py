@@ -44,7 +44,6 @@ UNIT_PASSTHROUGH = (
     "AWS_REGION",
     "AWS_DEFAULT_REGION",
     "ELASTIC_LOGICAL_GPUS",
-    "PIP_CACHE_DIR",
     STATE_VARIABLE,
     "ELASTIC_REHEARSAL_NODE",  # which rehearsed node the process belongs to (a reclaim kills that node's)
     "ELASTIC_LOCAL_STACK",  # the rehearsal's marker: it finds and stops everything it started

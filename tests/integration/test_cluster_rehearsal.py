@@ -45,5 +45,6 @@ def test_a_cluster_config_boots_trains_and_survives_a_reclaim(config, tmp_path):
     assert phases["watcher"]["restarted_after_s"] < 30  # the unit's Restart=always brought it back
     assert phases["file_mounts"]["copied"] == ["~/.ray/auth_token", "~/elastic-src/pyproject.toml",
                                                "~/elastic-src/README.md", "~/elastic-src/elastic"]  # fmt: skip
-    assert any(r.startswith("--autoscaling-config dropped") for r in report["rewrites"])
+    assert any(r.startswith("--autoscaling-config dropped") for r in report["rewrites"]["head"])
+    assert not any("autoscaling" in r for r in report["rewrites"]["spot"])
     assert rehearsal_processes() == []
