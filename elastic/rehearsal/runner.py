@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -201,7 +202,7 @@ class _Rehearsal:
         # The laptop: its Ray token, as `ray get-auth-token --generate` writes it (file_mounts ship it).
         token_path = self.laptop_home / ".ray" / "auth_token"
         token_path.parent.mkdir(parents=True)
-        self.token = uuid.uuid4().hex + uuid.uuid4().hex
+        self.token = secrets.token_hex(32)  # 256 bits, as `ray get-auth-token --generate`
         token_path.write_text(self.token)
         token_path.chmod(0o600)
         for node_type in types:
@@ -312,6 +313,7 @@ class _Rehearsal:
             AWS_SECRET_ACCESS_KEY=LOCAL_AWS_KEY,
             AWS_REGION="us-east-1",
         )
+        env[processes.MARKER_VARIABLE] = self.marker  # the submit it follows is stopped with the rest
         return env
 
     def _submit(self) -> subprocess.Popen:
