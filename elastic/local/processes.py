@@ -106,14 +106,14 @@ def launch(args: list[str], role: str, marker: str, env: dict[str, str], log_pat
     )
 
 
-def find_marked(marker: str) -> list[psutil.Process]:
-    """Every live process whose environment carries this stack's marker."""
+def find_marked(marker: str, variable: str = MARKER_VARIABLE) -> list[psutil.Process]:
+    """Every live process whose environment carries this stack's marker (in `variable`)."""
     found = []
     for proc in psutil.process_iter():
         try:
             if proc.pid == os.getpid():
                 continue
-            if proc.environ().get(MARKER_VARIABLE) == marker:
+            if proc.environ().get(variable) == marker:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import logging
-import os
 import re
 import shutil
 import signal
@@ -18,9 +16,8 @@ from pathlib import Path
 
 import psutil
 
+from elastic.local import processes
 from elastic.rehearsal.plan import NodeCommand, NodeType, as_ray_runs_it
-
-log = logging.getLogger("elastic.rehearsal")
 
 NODE_VARIABLE = "ELASTIC_REHEARSAL_NODE"  # every process a node's commands start carries its role
 COMMAND_TIMEOUT_SECONDS = 900.0  # a setup command installs torch and Ray into a fresh venv
@@ -136,20 +133,9 @@ def find_node_id(temp_dir: Path) -> str | None:
     return None
 
 
-def node_processes(role: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid != os.getpid() and proc.environ().get(NODE_VARIABLE) == role:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
 def kill_node(role: str) -> int:
     """Every process of the node at once (raylet, workers, watcher, units), as a VM that vanishes."""
-    procs = node_processes(role)
+    procs = processes.find_marked(role, variable=NODE_VARIABLE)
     for proc in procs:
         try:
             proc.send_signal(signal.SIGKILL)

@@ -41,7 +41,18 @@ from elastic.local.stack import free_port
 from elastic.local.state import LOCAL_AWS_KEY
 from elastic.rehearsal import nodes as node_ops
 from elastic.rehearsal import shims
-from elastic.rehearsal.plan import HEAD, ON_DEMAND, SPOT, PlanError, PortMap, listener_flags, pick_node_types, plan_node
+from elastic.rehearsal.plan import (
+    HEAD,
+    ON_DEMAND,
+    SPOT,
+    PlanError,
+    PortMap,
+    file_mounts,
+    listener_flags,
+    pick_node_types,
+    plan_node,
+    rsync_excludes,
+)
 from elastic.rehearsal.report import Phase, RehearsalFailed, Report
 
 log = logging.getLogger("elastic.rehearsal")
@@ -135,11 +146,11 @@ class _Rehearsal:
             mounts = {}
             for role, node in self.nodes.items():
                 mounts[role] = node_ops.copy_file_mounts(
-                    {str(k): str(v) for k, v in (self.config.get("file_mounts") or {}).items()},
+                    file_mounts(self.config),
                     node.home,
                     self.laptop_home,
                     Path.cwd(),
-                    [str(p) for p in self.config.get("rsync_exclude") or []],
+                    rsync_excludes(self.config),
                 )
             phase.detail["copied"] = mounts[HEAD]
         head = self.nodes[HEAD]

@@ -18,7 +18,6 @@ hands its arguments to `python -m elastic.rehearsal.shims NAME ...` (the rehears
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import signal
@@ -26,8 +25,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-log = logging.getLogger("elastic.rehearsal.shims")
 
 SHIMS = ("sudo", "systemd-run", "systemctl", "apt-get", "cloud-init")
 STATE_VARIABLE = "ELASTIC_REHEARSAL_STATE"  # the rehearsal's folder: units/, shims.log
