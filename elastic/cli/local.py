@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 
 import click
@@ -9,6 +10,7 @@ from rich.table import Table
 
 from elastic.cli.common import console, err_console, print_json
 from elastic.errors import UserError
+from elastic.local.state import ENV_MARKER_VARIABLE
 
 
 @click.group("local")
@@ -112,8 +114,11 @@ def local_down() -> None:
     """Stop exactly what `elastic local up` started. Safe to run twice."""
     from elastic.local import stack as local
 
+    state = local.load_state()
     stopped = local.down()
     click.echo(f"local stack stopped ({stopped} processes)" if stopped else "no local stack running")
+    if state is not None and os.environ.get(ENV_MARKER_VARIABLE) == state.marker:
+        click.echo('this shell still exports the stack\'s variables: eval "$(elastic local env --unset)"', err=True)
 
 
 @local_group.command("status")
@@ -136,10 +141,22 @@ def local_status(as_json: bool) -> None:
 
 @local_group.command("env")
 @click.option("--json", "as_json", is_flag=True)
-def local_env(as_json: bool) -> None:
-    """Print shell exports so Ray's CLI, boto3 and s3fs use the local stack: eval "$(elastic local env)"."""
-    from elastic.local import stack as local
+@click.option("--unset", is_flag=True, help="Print the lines that remove what `elastic local env` exported.")
+def local_env(as_json: bool, unset: bool) -> None:
+    """Print shell exports so Ray's CLI, boto3 and s3fs use the local stack: eval "$(elastic local env)".
 
+    \b
+    Examples:
+      eval "$(elastic local env)"
+      eval "$(elastic local env --unset)"   # after `elastic local down`
+    """
+    from elastic.local import stack as local
+    from elastic.local.exports import unset_lines
+
+    if unset:
+        for line in unset_lines():
+            click.echo(line)
+        return
     state = local.running_state()
     if state is None:
         raise UserError("no local stack running; start one with `elastic local up`")

@@ -9,21 +9,24 @@ Ray's token auth is on, with a token kept in the stack's home. Everything outliv
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import shutil
 import socket
 import sys
 import tempfile
-import time
-import urllib.request
 import uuid
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 from elastic.errors import ClusterError
 from elastic.local import processes, s3servers
+from elastic.local.exports import forget_stale
 from elastic.local.processes import Launched
+from elastic.local.readiness import logs_dir, wait_for_job_api, wait_for_nodes, wait_for_port
 from elastic.local.state import (
     AUTH_MODES,
     DEFAULT_BUCKET,
@@ -34,6 +37,7 @@ from elastic.local.state import (
     LocalState,
     NodePlan,
     ensure_token,
+    head_alive,
     home_dir,
     is_running,
     load_state,
@@ -74,9 +78,10 @@ __all__ = [
 from elastic.placement.labels import (
     HEAD_ROLE,
     MARKETS,
-    NODE_NAME_LABEL,
     WORKER_ROLE,
 )
+
+_log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------------------
 # up
@@ -100,19 +105,40 @@ def up(
     """Start the stack, or return it if it is already up. `progress` hears each step as it starts. With
     `s3_faults`, the stack's S3 endpoint is a fault-injecting proxy (elastic.local.s3_faults, seeded with
     `s3_fault_seed`) in front of the S3 server; it injects nothing until told to over its admin routes."""
-    existing = load_state()
-    if existing is not None:
-        if is_running(existing):
-            return existing
-        down()  # a stale state file (machine rebooted, head killed): clean its leftovers first
-    if auth not in AUTH_MODES:
-        raise ClusterError(f"--auth {auth!r}: use one of {', '.join(AUTH_MODES)}")
-    plan = plan_nodes(spot, on_demand, cpus_per_node, gpus_per_node)
+    with _up_lock():  # a second `up` waits for the first, then finds its stack
+        existing = load_state()
+        if existing is not None:
+            if is_running(existing):
+                return existing
+            # A stale state file (machine rebooted, head killed) or an `up` killed half-way: clean it first.
+            down()
+        if auth not in AUTH_MODES:
+            raise ClusterError(f"--auth {auth!r}: use one of {', '.join(AUTH_MODES)}")
+        # `up` starts a stack of its own: a shell's exports of an earlier one must not steer its starts and polls.
+        forget_stale(None, 'after `up`, run eval "$(elastic local env)" in this shell again')
+        plan = plan_nodes(spot, on_demand, cpus_per_node, gpus_per_node)
+        options = {"bucket": bucket, "timeout": timeout, "auth": auth, "s3": s3, "progress": progress}
+        return _start(plan, gpus_per_node > 0, s3_faults, s3_fault_seed, **options)
+
+
+def _start(
+    plan: list[NodePlan],
+    gpus: bool,
+    s3_faults: bool,
+    s3_fault_seed: int,
+    *,
+    bucket: str,
+    timeout: float,
+    auth: str,
+    s3: str,
+    progress: Callable[[str], None],
+) -> LocalState:
+    """Start every process of a new stack in order, recording each in the state file as it starts."""
     ray_bin = processes.binary("ray", "ray[default]")
     marker = uuid.uuid4().hex[:12]
     # Short path: Ray's unix sockets live under the temp dir and sockets paths are limited to ~107 bytes.
     temp_dir = tempfile.mkdtemp(prefix=f"elastic-{marker[:6]}-", dir="/tmp")
-    logs = home_dir() / "local" / "logs"
+    logs = logs_dir()
     if logs.exists():
         shutil.rmtree(logs, ignore_errors=True)
     ports = {"gcs": free_port(), "dashboard": free_port(), "s3": free_port(), "client": free_port()}
@@ -126,12 +152,13 @@ def up(
         dashboard_url=f"http://127.0.0.1:{ports['dashboard']}",
         s3_endpoint=f"http://127.0.0.1:{ports['s3_faults']}" if s3_faults else server_url,
         bucket=bucket,
-        logical_gpus=gpus_per_node > 0 and not _cuda_available(),
+        logical_gpus=gpus and not _cuda_available(),
         ports=ports,
         s3_upstream=server_url if s3_faults else "",
         auth=auth,
         auth_token_path=str(ensure_token()) if auth == "token" else "",
         s3_server=s3,
+        complete=False,
     )
     s3_command = s3servers.command(s3, ports["s3"], home_dir() / "local" / "s3" / s3, free_port)
     state.use_ray()  # this process polls the stack's dashboard and state API too
@@ -151,23 +178,24 @@ def up(
         progress("Ray head")
         state.roots.append(_start_node(ray_bin, head, state, env, logs).to_dict())
         save_state(state)
-        _wait_for_port(ports["gcs"], timeout, "Ray head", logs / "head.log")
-        _wait_for_job_api(state, timeout)
+        wait_for_port(ports["gcs"], timeout, "the Ray head's GCS", logs / "head.log")
+        wait_for_job_api(state, timeout)
         # One node at a time: on a 2-core machine, raylets started together time out registering.
         for joined, node in enumerate(workers, start=2):
             progress(f"node {node.name} ({node.market})")
             state.roots.append(_start_node(ray_bin, node, state, env, logs).to_dict())
             save_state(state)
             extras = {n["name"]: n for n in state.nodes}  # keep what was added to the nodes joined earlier
-            state.nodes = [{**extras.get(n["name"], {}), **n} for n in _wait_for_nodes(state, plan[:joined], timeout)]
+            state.nodes = [{**extras.get(n["name"], {}), **n} for n in wait_for_nodes(state, plan[:joined], timeout)]
             if node.market == "spot":
                 _start_spot_daemons(state.nodes[-1], state, env, logs, timeout)
                 save_state(state)
         progress(f"bucket {bucket}")
-        _wait_for_port(ports["s3"], timeout, "S3 endpoint", logs / "s3.log")
+        wait_for_port(ports["s3"], timeout, "the S3 endpoint", logs / "s3.log")
         if s3_faults:
-            _wait_for_port(ports["s3_faults"], timeout, "S3 fault proxy", logs / "s3-faults.log")
+            wait_for_port(ports["s3_faults"], timeout, "the S3 fault proxy", logs / "s3-faults.log")
         _create_bucket(state, timeout)
+        state.complete = True
         save_state(state)
         return state
     except BaseException:
@@ -233,7 +261,7 @@ def _start_spot_daemons(node: dict, state: LocalState, env: dict, logs: Path, ti
         logs / f"metadata-{name}.log",
     )
     state.roots.append(metadata.to_dict())
-    _wait_for_port(port, timeout, f"metadata endpoint of {name}", logs / f"metadata-{name}.log")
+    wait_for_port(port, timeout, f"the metadata endpoint of {name}", logs / f"metadata-{name}.log")
     node["metadata_url"] = f"http://127.0.0.1:{port}"
     watcher = processes.launch(
         [
@@ -256,64 +284,6 @@ def _start_spot_daemons(node: dict, state: LocalState, env: dict, logs: Path, ti
         logs / f"watcher-{name}.log",
     )
     state.roots.append(watcher.to_dict())
-
-
-def _wait_for_nodes(state: LocalState, plan: list[NodePlan], timeout: float) -> list[dict]:
-    from ray.util.state import list_nodes  # ray only once nodes are started: the CLI starts fast
-
-    by_name = {n.name: n for n in plan}
-    deadline = time.monotonic() + timeout
-    seen: dict[str, dict] = {}
-    while time.monotonic() < deadline:
-        try:
-            live = list_nodes(
-                address=state.dashboard_url, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
-            )
-        except Exception:  # the dashboard answers only once it is up; keep polling until the deadline
-            live = []
-        for node in live:
-            name = (node.labels or {}).get(NODE_NAME_LABEL)
-            if name in by_name:
-                p = by_name[name]
-                seen[name] = {
-                    "node_id": node.node_id,
-                    "name": name,
-                    "market": p.market,
-                    "role": p.role,
-                    "cpus": p.cpus,
-                    "gpus": p.gpus,
-                }
-        if len(seen) == len(plan):
-            return [seen[n.name] for n in plan]
-        _check_roots_alive(state)
-        time.sleep(1.0)
-    missing = sorted(set(by_name) - set(seen))
-    raise ClusterError(
-        f"local nodes {', '.join(missing)} did not join within {timeout:.0f}s; see {home_dir() / 'local' / 'logs'}"
-    )
-
-
-def _wait_for_job_api(state: LocalState, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        request = urllib.request.Request(f"{state.dashboard_url}/api/version", headers=state.auth_headers())
-        try:
-            with urllib.request.urlopen(request, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise ClusterError(
-        f"the job API at {state.dashboard_url} did not answer within {timeout:.0f}s; is ray[default] installed?"
-    )
-
-
-def _check_roots_alive(state: LocalState) -> None:
-    for root in state.launched():
-        if root.process() is None:
-            log = home_dir() / "local" / "logs" / f"{root.role}.log"
-            raise ClusterError(f"local {root.role} process exited during start-up; see {log}")
 
 
 def _create_bucket(state: LocalState, timeout: float) -> None:
@@ -347,7 +317,7 @@ def add_node(market: str, cpus: int | None = None, gpus: int | None = None, time
     node = NodePlan(f"{market}-{index}", market, WORKER_ROLE, cpus, gpus)
     state.use_ray()  # this process polls the stack's dashboard
     env = {**state.env(), "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    launched = _start_node(processes.binary("ray", "ray[default]"), node, state, env, home_dir() / "local" / "logs")
+    launched = _start_node(processes.binary("ray", "ray[default]"), node, state, env, logs_dir())
     node_temp = state.node_temp_dirs[-1]
     with state_lock():  # first, so `down` stops it even if it never joins
         state = load_state() or state
@@ -355,7 +325,7 @@ def add_node(market: str, cpus: int | None = None, gpus: int | None = None, time
         state.node_temp_dirs.append(node_temp)
         save_state(state)
     try:
-        joined = _wait_for_nodes(state, [node], timeout)[0]
+        joined = wait_for_nodes(state, [node], timeout)[0]
     except ClusterError:
         # A node that never joined is taken back out, so later add-node calls do not trip over its dead root.
         processes.kill_trees([launched])
@@ -367,7 +337,7 @@ def add_node(market: str, cpus: int | None = None, gpus: int | None = None, time
         raise
     daemons = LocalState(**{**asdict(state), "roots": []})
     if market == "spot":
-        _start_spot_daemons(joined, daemons, env, home_dir() / "local" / "logs", timeout)
+        _start_spot_daemons(joined, daemons, env, logs_dir(), timeout)
     with state_lock():
         state = load_state() or state
         state.nodes.append(joined)
@@ -402,12 +372,26 @@ def status() -> dict:
     state = load_state()
     if state is None:
         return {"running": False}
+    if not state.complete:
+        return {"running": False, "starting": head_alive(state)}
     alive = {root.role: root.process() is not None for root in state.launched()}
     return {"running": is_running(state), "processes": alive, **state.summary()}
 
 
 # ---------------------------------------------------------------------------------------------------------
 # helpers
+
+
+@contextmanager
+def _up_lock():
+    path = home_dir() / "local" / "up.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released by the kernel if this process is killed
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 _handed_out: set[int] = set()  # ports given to daemons by this process, bound by them later or not yet
@@ -425,17 +409,6 @@ def free_port() -> int:
         if port not in _handed_out:
             _handed_out.add(port)
             return port
-
-
-def _wait_for_port(port: int, timeout: float, what: str, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.settimeout(1)
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.3)
-    raise ClusterError(f"{what} did not start listening on port {port} within {timeout:.0f}s; see {log}")
 
 
 def _cuda_available() -> bool:

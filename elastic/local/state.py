@@ -35,6 +35,27 @@ LOCAL_HEAD_INSTANCE_TYPE = "m6i.2xlarge"
 # Ray's token auth (Ray's own default), or none. One mode for the stack, its drivers and every CLI call: a mix
 # fails auth, so every process we start and every client call takes it from LocalState.auth_env().
 AUTH_MODES = ("token", "none")
+# `elastic local env` exports the marker of the stack whose variables it prints, so a later command can tell
+# that a shell's exports are of a stack that is gone (a `down` and a new `up` since the `eval`).
+ENV_MARKER_VARIABLE = "ELASTIC_LOCAL_ENV"
+# Every variable `elastic local env` exports (LocalState.env()), plus the token that would override them.
+STACK_VARIABLES = (
+    "RAY_ADDRESS",
+    "RAY_API_SERVER_ADDRESS",
+    "RAY_AUTH_MODE",
+    "RAY_AUTH_TOKEN_PATH",
+    "RAY_AUTH_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "ELASTIC_BUCKET",
+    "ELASTIC_LOGICAL_GPUS",
+    ENV_MARKER_VARIABLE,
+)
+# Those that point a client at a cluster or endpoint: what a stale export would steer somewhere dead.
+ADDRESS_VARIABLES = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "AWS_ENDPOINT_URL")
 
 
 def home_dir() -> Path:
@@ -113,6 +134,9 @@ class LocalState:
     auth: str = "token"  # token | none (AUTH_MODES)
     auth_token_path: str = ""
     s3_server: str = "moto"  # a name in s3servers.SERVERS (state files from before the choice ran moto)
+    # False from the start of `up` until every node joined and the bucket exists: a stack whose `up` was killed
+    # half-way is not a stack to hand out (the next `up` cleans it and starts again). True in older state files.
+    complete: bool = True
 
     @contextmanager
     def environment(self):
@@ -163,6 +187,7 @@ class LocalState:
             "AWS_REGION": "us-east-1",
             "AWS_DEFAULT_REGION": "us-east-1",
             "ELASTIC_BUCKET": self.bucket,
+            ENV_MARKER_VARIABLE: self.marker,
         }
         if self.logical_gpus:
             env["ELASTIC_LOGICAL_GPUS"] = "1"
@@ -223,6 +248,10 @@ def state_lock():
 
 
 def is_running(state: LocalState) -> bool:
+    return state.complete and head_alive(state)
+
+
+def head_alive(state: LocalState) -> bool:
     return any(root.process() is not None for root in state.launched() if root.role == "head")
 
 
