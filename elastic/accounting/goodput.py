@@ -13,6 +13,8 @@ Causes, by priority where they overlap (a placement started ahead trains while t
   worker group that ended at a reclaim or died with a node, `preemption_gap` (until the next group trains);
   after one that died with no node lost, `failure_recovery`; after the last step, `other` (the final
   teardown).
+- hang: from the last step of a worker group that stopped making progress to the moment the hang watchdog
+  ended it (its attempt ended with reason "hang"); the restart after it is `failure_recovery`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from elastic.ledger.events import (
+    HANG_REASON,
     AttemptEnded,
     CapacityWaited,
     CheckpointCommitted,
@@ -42,9 +45,10 @@ CAUSES = (
     "lost_work_redone",
     "preemption_gap",
     "failure_recovery",
+    "hang",
     "other",
 )
-_PRIORITY = ("checkpoint_stall", "restore", "lost_work_redone", "productive", "waiting_for_capacity")
+_PRIORITY = ("checkpoint_stall", "restore", "lost_work_redone", "productive", "waiting_for_capacity", "hang")
 # A node that died this long before the next worker group trained explains the gap as a reclaim.
 NODE_DEATH_WINDOW_S = 120.0
 
@@ -184,6 +188,11 @@ def account(events: list[Event]) -> Goodput:
         "lost_work_redone": _Cover(redone),
         "productive": _Cover((w.time, w.ended) for g in groups for w in g.windows),
         "waiting_for_capacity": _Cover((e.time, e.ended) for e in events if isinstance(e, CapacityWaited)),
+        "hang": _Cover(
+            (g.finished_training, g.ended.time)
+            for g in groups
+            if g.ended is not None and g.ended.reason == HANG_REASON and g.ended.time > g.finished_training
+        ),
     }
     deaths = sorted(e.time for e in events if isinstance(e, NodeDied))
     noticed = {e.attempt for e in events if isinstance(e, PreemptionNotice)}
@@ -232,6 +241,8 @@ def _between_groups(t: float, groups: list[Attempt], deaths: list[float], notice
     reason = previous.ended.reason if previous.ended is not None else None
     if reason == "preemption" or previous.id in noticed:
         return "preemption_gap"
+    if reason == HANG_REASON:
+        return "failure_recovery"  # ended by the watchdog: the restart after it
     if reason is not None:
         return "startup"  # a clean end for a resize or a move to spot: the next group's start-up
     died = any(previous.finished_training - NODE_DEATH_WINDOW_S <= d <= following.started_training for d in deaths)

@@ -23,6 +23,7 @@ CAUSE_COLOURS = {
     "lost_work_redone": "tab:brown",
     "preemption_gap": "tab:red",
     "failure_recovery": "#aa0000",
+    "hang": "tab:pink",
     "other": "#dddddd",
 }
 STATE_COLOURS = {"TERMINATED": "tab:green", "STOPPED": "tab:gray", "ERROR": "tab:red"}

@@ -15,6 +15,7 @@ CAUSE_NAMES = {
     "lost_work_redone": "lost work re-done",
     "preemption_gap": "preemption gaps",
     "failure_recovery": "failure recovery",
+    "hang": "hung (no step progress)",
     "other": "other (teardown)",
 }
 

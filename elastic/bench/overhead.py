@@ -153,7 +153,7 @@ def _overhead_worker(config: dict) -> None:
         if name == "harness_ckpt":
             tail_waits.append(ended - waiting)
         seconds = ended - started
-        saving._drain_reports()  # Ray's bookkeeping of the reports, before the next block
+        saving.drain_reports()  # Ray's bookkeeping of the reports, before the next block
         return seconds / steps
 
     for _ in range(every // 2):  # the offset: saves at the middle of the checkpointing variant's blocks

@@ -129,6 +129,13 @@ class FailureSpec(_Frozen):
 
     max_failures: int = Field(default=3, ge=-1, description="Restarts allowed after errors.")
     max_preemptions: int = Field(default=20, ge=-1, description="Restarts allowed after spot preemptions.")
+    hang_timeout_seconds: Optional[float] = Field(
+        default=None,
+        ge=0,
+        description="A rank with no step progress this long dumps every thread's stack to the job log and ends "
+        "its attempt as a failure (restarted from the last checkpoint). Default: derived from the slowest step "
+        "and save measured, at least 180 s. 0 turns the watchdog off.",
+    )
 
 
 Precision = Literal["fp32", "bf16", "fp16"]

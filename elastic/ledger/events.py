@@ -164,9 +164,13 @@ class PreemptionNotice(Event):
     deadline: float | None = None
 
 
+HANG_REASON = "hang"  # AttemptEnded.reason of a worker group the hang watchdog ended (elastic.worker.watchdog)
+
+
 @dataclass(frozen=True)
 class AttemptEnded(Event):
-    """The attempt left cleanly after the checkpoint of `step` (reason: preemption, swap, grow, finished)."""
+    """The attempt left after the checkpoint of `step` (reason: preemption, swap, grow, finished), or was ended
+    by the hang watchdog after `step`, its last (reason: hang)."""
 
     kind: ClassVar[str] = "attempt_ended"
     attempt: str = ""

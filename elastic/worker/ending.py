@@ -34,6 +34,8 @@ class PlacementEnding:
         self.jit: JustInTime | NoJustInTime = NoJustInTime()
         # Rank 0, at a reclaim notice: (node ids, the cloud's deadline) for the run ledger.
         self.on_notice: Callable[[tuple[str, ...], float | None], None] = lambda nodes, deadline: None
+        # Before a wait that is not a hang (the hang watchdog, elastic.worker.watchdog, must not end it).
+        self.pause_watchdog: Callable[[], None] = lambda: None
 
     def join(self, node_id: str, world_size: int, group) -> None:
         """Before any step: name every rank's node, and wait for the placement this one follows, if any."""
@@ -97,6 +99,7 @@ class PlacementEnding:
             # No driver around this run to resume it: wait (no further steps, they would be lost) until Ray
             # Train tears the group down at the deadline and restarts it from this checkpoint.
             self._say("no elastic driver: waiting for Ray Train's restart from this checkpoint")
+            self.pause_watchdog()
             while True:
                 time.sleep(1.0)
         self.watch.acknowledge(result.step, reason="preemption")

@@ -51,6 +51,7 @@ def worker_main(payload: dict, setup: WorkerSetup | None = None) -> None:
             function(session)
         else:
             setup.run(session, function)
+        session.drain_reports()  # a function that returned without finish() (or a sweep's probe) may leave some
     except PlacementEnded as ended:
         # The driver asked this placement to end (spot-first moving to spot) and it did, at a committed
         # checkpoint. Returning normally lets Ray Train finish the run cleanly: no failure budget is spent.

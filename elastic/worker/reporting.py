@@ -86,6 +86,15 @@ class CommitReports:
         self.drain()
         return requeue
 
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's `flag` on every rank. Whatever decides how many times a rank calls ray.train.report (a
+        barrier) must be this: a rank-local answer (has my reporter thread sent that report yet?) differs
+        between ranks by timing, and one rank waits forever in a report the others never make."""
+        value = torch.tensor([1 if flag else 0])
+        if self._group is not None:
+            dist.broadcast(value, src=0, group=self._group)
+        return bool(value.item())
+
     def drain(self) -> None:
         """Wait until Ray has been told of every committed checkpoint; raise the reporter's error, if any."""
         self._queue.join()

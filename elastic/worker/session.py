@@ -55,6 +55,7 @@ from elastic.worker.run_ledger import attempt_ledger
 from elastic.worker.telemetry import Telemetry
 from elastic.worker.tracking import SessionTracking
 from elastic.worker.training_state import Stateful, TrainingState
+from elastic.worker.watchdog import session_watchdog
 
 _log = logging.getLogger(__name__)
 
@@ -117,7 +118,14 @@ class Session:
         # The spec's `tracking:` (MLflow, TensorBoard); the MLflow run id rides in the checkpoint.
         self._tracking = SessionTracking(spec, run_name, self.rank)
         self._state.tracked["elastic.tracking"] = self._tracking.state
-        self._step_hooks: list[StepHook] = [self._telemetry.on_step, self._tracking.on_step]
+        self._watchdog = session_watchdog(
+            self.rank, spec.failure.hang_timeout_seconds, self.store, (placement or {}).get("id"), lambda: self._attempt
+        )
+        self._step_hooks: list[StepHook] = [
+            self._telemetry.on_step,
+            self._tracking.on_step,
+            lambda step, metrics: self._watchdog.progress(step),
+        ]
         self._telemetry.start()
         self._retention = Retention(self.store, spec.checkpoint.keep, spec.checkpoint.keep_every)
         self._cadence = CheckpointCadence(spec.checkpoint)
@@ -147,6 +155,7 @@ class Session:
             self._checkpoint_group,
         )
         self._ending.on_notice = self._attempt.notice
+        self._ending.pause_watchdog = self._watchdog.pause
         self._ending.watch_notices(
             spec.checkpoint,
             in_flight=lambda: self.checkpointer.in_flight,
@@ -364,10 +373,14 @@ class Session:
             self._report_ending(final)
             self._attempt.ended(self.step_count, "finished")
             return
+        self._chaos.before_final_report()
         carried = self._reports.carry(self.step_count, final)  # the last save is of this very step
         self._raise_if_failed(self.checkpointer.wait())
         self._attempt.ended(self.step_count, "finished")
-        if self._report_ending(final) or carried:
+        reported = self._report_ending(final) or carried
+        # `carried` is each rank's own (has its reporter already sent that save's report?): rank 0's answer
+        # decides for every rank, or one rank would make one more ray.train.report than the others.
+        if self._reports.agree(reported):
             return
         # Already reported (or resumed at the end of a finished run: nothing new to save, and Ray knows that
         # checkpoint). Report the metrics alone; never rewrite a committed folder in place.
@@ -394,6 +407,7 @@ class Session:
 
     def close(self) -> None:
         """The worker entry, as this worker leaves (however it leaves): write what the run ledger holds."""
+        self._watchdog.stop()
         self._attempt.close()
 
     # -- internals
@@ -431,6 +445,7 @@ class Session:
         """After a commit, on every rank, in the save's thread: log it, queue its report to Ray (see
         elastic.worker.reporting), prune (rank 0)."""
         self._ending.jit.saved(result.total_seconds)
+        self._watchdog.saved(result.total_seconds)
         self._attempt.committed(result)
         self._telemetry.on_commit(result)
         metrics = self._reports.metrics(result.step)
@@ -451,8 +466,10 @@ class Session:
     def _report_ending(self, metrics: dict) -> bool:
         return self._reports.report_ending(self.step_count, metrics)
 
-    def _drain_reports(self) -> None:
-        """Wait until Ray has been told of every committed checkpoint (the benchmark harness calls it)."""
+    def drain_reports(self) -> None:
+        """Wait until Ray has been told of every committed checkpoint (the worker entry, when the job's function
+        returns without finish(); the benchmark harness between blocks). Every rank queues the same reports
+        (rank 0 decides which), so every rank makes the same ray.train.report calls before it leaves."""
         self._reports.drain()
 
     def _log_failure(self, result: SaveResult | None) -> None:

@@ -87,6 +87,7 @@ def test_a_noticed_reclaim_loses_nothing_and_every_second_has_one_cause():
             "lost_work_redone": 0.0,
             "preemption_gap": 2.0,
             "failure_recovery": 0.0,
+            "hang": 0.0,
             "other": 3.0,
         }
     )
@@ -231,3 +232,25 @@ def test_a_bad_prices_file_is_one_line_naming_the_field(tmp_path):
     assert "\n" not in message and "instance_types.g5.xlarge" in message and str(prices) in message
     with pytest.raises(UserError, match="cannot read"):
         load_prices(tmp_path / "missing.yaml")
+
+
+def test_a_hung_attempt_is_its_own_badput_cause_until_the_watchdog_ends_it():
+    """Attempt a commits step 50 at t=20, trains to step 80 by t=30, then hangs until the watchdog ends it at
+    t=50; attempt b restores step 50 at t=60 and trains 51..100 again."""
+    events = [
+        RunStarted(0.0, run="r"),
+        Steps(10.0, attempt="a", ended=20.0, first_step=1, last_step=50),
+        CheckpointCommitted(20.0, attempt="a", committed=21.0, step=50, reason="periodic", stall_s=0.5),
+        Steps(20.0, attempt="a", ended=30.0, first_step=51, last_step=80),
+        AttemptEnded(50.0, attempt="a", step=80, reason="hang"),
+        Restored(60.0, attempt="b", ended=62.0, step=50, from_world_size=2, world_size=2),
+        Steps(62.0, attempt="b", ended=82.0, first_step=51, last_step=100),
+        AttemptEnded(82.0, attempt="b", step=100, reason="finished"),
+        RunEnded(83.0, status="SUCCEEDED"),
+    ]
+    result = account(events)
+    assert result.badput["hang"] == pytest.approx(20.0)  # t=30 (last step) .. t=50 (the watchdog's end)
+    assert result.badput["failure_recovery"] == pytest.approx(10.0)  # t=50 .. t=60 (the restart)
+    assert result.lost_steps == 30
+    assert result.productive_s + sum(result.badput.values()) == pytest.approx(result.wall_s)
+    assert any(cause == "hang" for _, _, cause in result.pieces)

@@ -134,10 +134,16 @@ def test_flush_without_attempt_id_refuses():
 
 
 def test_chaos_plan_round_trips_and_rejects_nonsense():
-    plan = parse_plan("30:1, 45,40:0:save,60:0:notice")
-    assert plan == [Kill(30, 1), Kill(45, 0), Kill(40, 0, during_save=True), Kill(60, 0, notice=True)]
-    assert format_plan(plan) == "30:1,45:0,40:0:save,60:0:notice"
-    with pytest.raises(ValueError, match="STEP\\[:RANK\\[:save\\|notice\\]\\]"):
+    plan = parse_plan("30:1, 45,40:0:save,60:0:notice,70:1:hang")
+    assert plan == [
+        Kill(30, 1),
+        Kill(45, 0),
+        Kill(40, 0, during_save=True),
+        Kill(60, 0, notice=True),
+        Kill(70, 1, hang=True),
+    ]
+    assert format_plan(plan) == "30:1,45:0,40:0:save,60:0:notice,70:1:hang"
+    with pytest.raises(ValueError, match="STEP\\[:RANK\\[:save\\|notice\\|hang\\]\\]"):
         parse_plan("3:1:later")
     with pytest.raises(ValueError, match="read by rank 0"):
         parse_plan("3:1:notice")

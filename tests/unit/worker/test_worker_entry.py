@@ -24,6 +24,9 @@ def fake_worker(monkeypatch):
         def attempt_ended(self, step, reason):
             calls.append(("ended", step, reason))
 
+        def drain_reports(self):
+            calls.append(("drained",))
+
         def close(self):
             calls.append(("closed",))
 
@@ -40,7 +43,8 @@ def fake_worker(monkeypatch):
 
 def test_plain_job_and_setup_share_one_entry(fake_worker):
     entrypoint.worker_main({"spec": {}, "run_name": "plain"})
-    assert fake_worker == [("session", "plain"), ("job",), ("closed",)]
+    # A function that returns: every report queued by then is made before the worker leaves.
+    assert fake_worker == [("session", "plain"), ("job",), ("drained",), ("closed",)]
 
     class Setup:
         def before_session(self, spec):
