@@ -318,6 +318,8 @@ def _override_value(text: str) -> Any:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and ":" in text:
+        return text.strip()  # YAML 1.1 reads 1:30 as sexagesimal 90; on a command line it means "1:30"
     if isinstance(value, str) and not text.strip().startswith(("'", '"')):  # '1' quoted stays a string
         try:
             return float(value)  # YAML 1.1 reads 1e-3 as a string; on a command line it means a number

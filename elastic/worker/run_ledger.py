@@ -14,6 +14,7 @@ import torch.distributed as dist
 from elastic.checkpoint.checkpointer import SaveResult
 from elastic.ledger import LedgerWriter, NoLedger
 from elastic.ledger.events import (
+    HANG_REASON,
     AttemptEnded,
     CheckpointCommitted,
     PreemptionNotice,
@@ -57,6 +58,9 @@ class NoAttemptLedger:
     def ended(self, step: int, reason: str) -> None:
         pass
 
+    def hung(self, step: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -72,6 +76,7 @@ class AttemptLedger:
         self._window_start: float | None = None
         self._first_step: int | None = None
         self._last_step: int | None = None
+        self._last_step_at: float | None = None
         self._metrics: dict = {}
         self._restore_started: float | None = None
         self._saves: dict[int, tuple[float, bool, str]] = {}  # step -> (started, asynchronous, reason)
@@ -115,7 +120,7 @@ class AttemptLedger:
             return
         if self._first_step is None:
             self._first_step = step
-        self._last_step = step
+        self._last_step, self._last_step_at = step, self._clock()
         if metrics:
             self._metrics = metrics
         if self._clock() - self._window_start >= WINDOW_SECONDS:
@@ -160,16 +165,21 @@ class AttemptLedger:
         self._close_window()
         self.writer.record(AttemptEnded(self._clock(), attempt=self.attempt, step=step, reason=reason))
 
+    def hung(self, step: int) -> None:
+        """The hang watchdog ends this attempt: its steps stopped at the last one's end, not now."""
+        self._close_window(at=self._last_step_at)
+        self.writer.record(AttemptEnded(self._clock(), attempt=self.attempt, step=step, reason=HANG_REASON))
+
     def close(self) -> None:
         self._close_window()
         self.writer.close()
 
-    def _close_window(self) -> None:
+    def _close_window(self, at: float | None = None) -> None:
         if self._window_start is None or self._first_step is None or self._last_step is None:
             return
         if self._last_step < self._first_step:
             return
-        now = self._clock()
+        now = self._clock() if at is None else at
         self.writer.record(
             Steps(
                 self._window_start,

@@ -26,8 +26,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from elastic.ledger.events import HANG_REASON
-
 _log = logging.getLogger(__name__)
 
 FLOOR_SECONDS = 180.0  # the derived timeout's floor: an evaluation pass between steps must not look hung
@@ -177,7 +175,7 @@ def session_watchdog(rank: int, configured: float | None, store, placement: str 
             handle.write(stacks)
 
     def ended(step: int) -> None:
-        attempt().ended(step, HANG_REASON)
+        attempt().hung(step)
         attempt().close()
 
     return HangWatchdog(rank, HangTimeout(configured), on_hang=ended, write=write)

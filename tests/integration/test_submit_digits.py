@@ -319,7 +319,18 @@ def run_watching_prometheus(cli, prometheus, run: str, args: list[str]) -> tuple
     return stdout, seen
 
 
-def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env, prometheus, mlflow_server):
+# The runs that must end equal: digits_ddp for 2 epochs (46 steps), checkpoints every 10 steps.
+EQUIVALENCE_RUN = ["--set", "config.epochs=2", "--set", "checkpoint.every_steps=10", "--follow"]
+
+
+@pytest.fixture(scope="module")
+def clean_run(stack, stack_env) -> dict:
+    """The equivalence run trained without a fault: its final state (step 46), what faulted runs must equal."""
+    stack["cli"].run("submit", "jobs/digits_ddp.yaml", "--suffix", "eq-clean", *EQUIVALENCE_RUN, check=True)
+    return load_final_state(stack_env, f"s3://{stack['bucket']}/runs/digits-ddp-eq-clean", 46)
+
+
+def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env, prometheus, mlflow_server, clean_run):
     """Two runs of the same job, one with two workers killed mid-run (one right after a checkpoint, one
     between checkpoints): after the automatic restarts the final model and optimizer are bit-identical.
 
@@ -328,8 +339,7 @@ def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env, promethe
     import torch
 
     cli = stack["cli"]
-    common = ["--set", "config.epochs=2", "--set", "checkpoint.every_steps=10", "--follow"]
-    cli.run("submit", "jobs/digits_ddp.yaml", "--suffix", "eq-clean", *common, check=True)
+    common = EQUIVALENCE_RUN
     tracking = [
         *("--set", f"tracking.mlflow={mlflow_server.url}", "--set", "tracking.every_steps=5"),
         *("--set", f"tracking.tensorboard=s3://{stack['bucket']}/tensorboard"),
@@ -366,7 +376,7 @@ def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env, promethe
     assert "resumed from checkpoint at step 46" in again.stdout
 
     root = f"s3://{stack['bucket']}/runs"
-    clean = load_final_state(stack_env, f"{root}/digits-ddp-eq-clean", 46)
+    clean = clean_run
     resumed = load_final_state(stack_env, f"{root}/digits-ddp-eq-killed", 46)
     assert clean.keys() == resumed.keys() and any(k.startswith("optim.") for k in clean)
     different = [k for k in clean if not torch.equal(clean[k], resumed[k])]
@@ -419,6 +429,48 @@ def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env, promethe
     events.Reload()
     tb_steps = {e.step for e in events.Scalars("digits-ddp-eq-killed", "loss")}
     assert max(tb_steps) == 45 and {40, 45} <= tb_steps
+
+
+def test_final_report_races_end_cleanly_and_a_hung_rank_is_restarted_to_identical_weights(stack, stack_env, clean_run):
+    """The run's last step is a periodic checkpoint, and one rank settles the final report 3 s after the other
+    (its reporter has long sent that checkpoint's report while the other's may still be pending): the run ends
+    either way round. And a rank that hangs (alive, no progress) is caught by the hang watchdog: both ranks'
+    stacks in the job's log and the run folder, the attempt restarted from the last checkpoint, the final
+    weights bit-identical to the run that never failed, the hang its own badput cause in the report."""
+    import torch
+
+    cli = stack["cli"]
+    # 46 steps, checkpoints at 23 and 46: the final step's save is a periodic one, still reporting at finish().
+    every_23 = ["--set", "config.epochs=2", "--set", "checkpoint.every_steps=23", "--follow"]
+    chaos = "runtime_env.env_vars.ELASTIC_CHAOS"
+    race = cli.run(
+        "submit", "jobs/digits_ddp.yaml", "--suffix", "race", *every_23, "--set", f"{chaos}_FINISH_DELAY=0:3",
+        timeout=420, check=True,
+    )  # fmt: skip
+    assert "chaos: rank 0 waits 3 s before settling the final report" in race.stdout
+    assert "made no step progress" not in race.stdout  # ended, not caught hanging by the watchdog and restarted
+
+    hung = cli.run(
+        "submit", "jobs/digits_ddp.yaml", "--suffix", "hang", *every_23,
+        "--set", "failure.hang_timeout_seconds=15",
+        "--set", f"{chaos}_KILL_AT=25:1:hang", "--set", f"{chaos}_FINISH_DELAY=1:3",
+        timeout=600, check=True,
+    )  # fmt: skip
+    log = hung.stdout
+    assert "chaos: rank 1 hangs after step 25" in log
+    assert "chaos: rank 1 waits 3 s before settling the final report" in log
+    assert sorted(set(re.findall(r"hang: rank (\d) made no step progress for", log))) == ["0", "1"], log[-4000:]
+    # Rank 1's stack shows where it stopped (the chaos hang after its step); rank 0 waits inside a step.
+    stacks = {rank: log.split(f"Stacks of rank {rank}:", 1)[1][:6000] for rank in ("0", "1")}
+    assert "in maybe_kill" in stacks["1"] and "in optimize" in stacks["0"], stacks
+    assert "resumed from checkpoint at step 23" in log
+    assert len(list_keys(stack_env, stack["bucket"], "runs/digits-ddp-hang/hangs/")) == 2
+
+    resumed = load_final_state(stack_env, f"s3://{stack['bucket']}/runs/digits-ddp-hang", 46)
+    assert [k for k in clean_run if not torch.equal(clean_run[k], resumed[k])] == []
+
+    report = json.loads(cli.run("report", "digits-ddp-hang", "--json", check=True).stdout)
+    assert report["badput"]["hang"] >= 10, report["badput"]
 
 
 @pytest.mark.parametrize(

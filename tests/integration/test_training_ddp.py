@@ -4,6 +4,7 @@ skipped by both ranks, whose parameters stay identical; accumulation syncs gradi
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ pytestmark = pytest.mark.integration
 def _rank(rank: int, world: int, store: str, out: str, precision: str) -> None:
     import torch
     import torch.distributed as dist
+    import torch.distributed.nn  # noqa: F401  (before init_process_group: see the end)
     import torch.nn.functional as F
 
     from elastic.config.spec import TrainSpec
@@ -40,7 +42,30 @@ def _rank(rank: int, world: int, store: str, out: str, precision: str) -> None:
     dist.all_gather_object(gathered, {"outcomes": outcomes, "params": params, "guard": step.guard.state_dict()})
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
+    # The gloo group must really end here, its worker threads joined while the interpreter is alive: a worker
+    # still dropping the last collective's tensors (Python-owned: it takes the GIL to free them) when the
+    # process exits is killed by Py_Finalize inside a noexcept destructor: SIGABRT, "terminate called without
+    # an active exception", now and then. destroy_process_group only drops torch.distributed's references, so
+    # (1) the DDP Reducer's goes first (the model and the step holding it), and (2) torch.distributed.nn is
+    # imported above, before the group exists: DDP imports it otherwise (through torch._dynamo), and its
+    # functions' `group=group.WORLD` defaults would keep the default group alive until the process exits.
+    del step, optimizer, model
     dist.destroy_process_group()
+    assert _gloo_threads() == [], f"gloo threads outlived destroy_process_group: {_gloo_threads()}"
+
+
+def _gloo_threads() -> list[str]:
+    """This process's threads that gloo's process groups own (pt_gloo_runloop, gloo_tcp_loop), by name."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():  # not Linux: nothing to check
+        return []
+    names = []
+    for task in os.listdir(tasks):
+        try:
+            names.append((tasks / task / "comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return [name for name in names if "gloo" in name]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

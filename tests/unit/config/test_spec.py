@@ -166,6 +166,12 @@ def test_apply_overrides_quoted_numbers_stay_strings():
     assert result == {"runtime_env": {"env_vars": {"POLL": "1"}}, "config": {"tag": "2", "lr": 0.001}}
 
 
+def test_apply_overrides_colon_values_stay_strings_not_sexagesimal_numbers():
+    # YAML 1.1 reads 1:3 as 63 and 1:30:00 as 5400; on a command line they are what was typed.
+    result = apply_overrides({}, ["env.a=1:3", "env.b=1:30:00", "env.c=2"])
+    assert result["env"] == {"a": "1:3", "b": "1:30:00", "c": 2}
+
+
 def test_apply_overrides_value_may_contain_equals_and_spaces_around_key():
     result = apply_overrides({}, [" config.expr =a=b"])
     assert result == {"config": {"expr": "a=b"}}

@@ -102,3 +102,20 @@ def test_a_synchronous_save_stalls_the_loop_until_it_commits(tmp_path):
     attempt.close()
     (commit,) = [e for e in read_ledger(str(tmp_path)) if isinstance(e, CheckpointCommitted)]
     assert commit.stall_s == 3.0 and commit.reason == "just-in-time"
+
+
+def test_a_hung_attempt_stops_its_steps_at_the_last_step_and_ends_when_the_watchdog_fires(tmp_path):
+    from elastic.ledger.events import AttemptEnded
+
+    clock = Clock()
+    attempt = AttemptLedger(LedgerWriter(str(tmp_path), "worker", flush_seconds=60), None, clock=clock)
+    attempt.training()
+    for step in range(1, 4):
+        clock.now += 1.0
+        attempt.stepped(step, None)
+    clock.now += 15.0  # no step since 103: the watchdog fires at 118
+    attempt.hung(3)
+    attempt.close()
+    events = read_ledger(str(tmp_path))
+    assert [(w.ended, w.last_step) for w in events if isinstance(w, Steps)] == [(103.0, 3)]
+    assert [(e.time, e.step, e.reason) for e in events if isinstance(e, AttemptEnded)] == [(118.0, 3, "hang")]
