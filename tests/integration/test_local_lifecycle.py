@@ -9,12 +9,14 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import boto3
 import botocore.config
 import psutil
 import pytest
 from botocore.exceptions import ClientError
+from conftest import ROOT
 from run_helpers import Submission, assert_same_weights, final_tensors
 
 from elastic.local.processes import MARKER_VARIABLE
@@ -114,6 +116,51 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         if cut is not None and cut.proc.poll() is None:
             cut.proc.kill()
         cli.run("local", "down", timeout=120)
+
+
+# The README's flow in one shell, repeated: each cycle's `eval` leaves that stack's exports in the shell, so
+# every `up` after the first starts in a shell pointing at a stack that is gone (the case that once failed).
+README_CYCLE = r"""
+set -euo pipefail
+for i in $(seq 1 "$CYCLES"); do
+  elastic local up --spot 1 --on-demand 0 --json >"$WORK/up-$i.json" 2>"$WORK/up-$i.err"
+  eval "$(elastic local env)"
+  elastic submit jobs/digits_ddp.yaml --suffix "cycle-$i" \
+    --set workers.min=1 --set workers.max=1 --set config.epochs=1000 >"$WORK/submit-$i.log" 2>&1
+  for _ in $(seq 1 180); do
+    elastic logs "digits-ddp-cycle-$i" 2>/dev/null | grep -q "held-out accuracy" && break
+    sleep 1
+  done
+  elastic logs "digits-ddp-cycle-$i" | grep "held-out accuracy" | head -1 >"$WORK/trained-$i.log"
+  elastic local down >"$WORK/down-$i.log" 2>&1
+done
+"""
+README_CYCLES = 10
+
+
+@pytest.mark.slow
+def test_the_readme_flow_repeated_in_one_shell_starts_every_stack(tmp_path, cli_factory):
+    """up, eval "$(elastic local env)", a job training, down: ten times in a row in one shell, every `up`
+    with every node joined, every job training when its stack went down."""
+    cli = cli_factory(tmp_path / "home")
+    env = {**cli.env, "CYCLES": str(README_CYCLES), "WORK": str(tmp_path)}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    try:
+        proc = subprocess.run(
+            ["bash", "-c", README_CYCLE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500
+        )
+    finally:
+        cli.run("local", "down", timeout=120)
+    done = sorted(int(p.stem.split("-")[1]) for p in tmp_path.glob("down-*.log"))
+    assert proc.returncode == 0 and done == list(range(1, README_CYCLES + 1)), (done, proc.stderr[-3000:])
+    for i in range(1, README_CYCLES + 1):
+        up = json.loads((tmp_path / f"up-{i}.json").read_text())
+        assert [n["name"] for n in up["nodes"]] == ["head", "spot-0"], up["nodes"]
+        assert "held-out accuracy" in (tmp_path / f"trained-{i}.log").read_text()
+        assert "local stack stopped" in (tmp_path / f"down-{i}.log").read_text()
+        # From the second `up` on, the shell held the previous stack's exports: named, and ignored.
+        warned = "variables of a local stack that is gone" in (tmp_path / f"up-{i}.err").read_text()
+        assert warned == (i > 1)
 
 
 def test_logical_gpus_run_the_gpu_path_on_cpu(tmp_path_factory, cli_factory):
