@@ -80,7 +80,14 @@ def local_up(
       curl -X POST "$AWS_ENDPOINT_URL/_elastic/faults/windows" -d '{"kind": "503", "seconds": 10}'
     """
     from elastic.local import stack as local
+    from elastic.local.exports import forget_stale
 
+    # On stderr, so --json's stdout stays one document (local.up would log it otherwise).
+    forget_stale(
+        None,
+        'after `up`, run eval "$(elastic local env)" in this shell again',
+        warn=lambda line: click.echo(f"warning: {line}", err=True),
+    )
     if auth == "none":
         click.echo(
             "warning: --auth none: Ray token auth is off; any process that can reach this machine's loopback "

@@ -54,15 +54,14 @@ def cli(verbose: bool, quiet: bool) -> None:
         # Children (job drivers, workers, local daemons) read it from the environment.
         os.environ[logs.LEVEL_VARIABLE] = logging.getLevelName(level)
     logs.configure(level)
-    # Exports of a local stack that is gone (a `down` and a new `up` since this shell's eval) would send the
-    # verb to dead ports, and `local up` to a join check that never sees its nodes: dropped, with a warning.
-    if click.get_current_context().invoked_subcommand == "local":
-        advice = 'after `up`, run eval "$(elastic local env)" in this shell again'
-    else:
-        advice = 'run eval "$(elastic local env)" again, or eval "$(elastic local env --unset)"'
-    exports.forget_stale(
-        local_state.running_state(), advice, warn=lambda line: click.echo(f"warning: {line}", err=True)
-    )
+    # Exports of a local stack that is gone (a `down` and a new `up` since this shell's eval) would send the verb
+    # to dead ports: dropped, with a warning. `local` verbs go by the stack's state file (`local up` warns itself).
+    if click.get_current_context().invoked_subcommand != "local":
+        exports.forget_stale(
+            local_state.running_state(),
+            'run eval "$(elastic local env)" again, or eval "$(elastic local env --unset)"',
+            warn=lambda line: click.echo(f"warning: {line}", err=True),
+        )
     # The local stack's Ray token for the verbs that talk to it, set before any of them imports Ray (Ray reads
     # RAY_AUTH_MODE once, at import); a verb given --address talks to that cluster with its own auth.
     local_state.use_stack_auth(targets_elsewhere="--address" in sys.argv)
