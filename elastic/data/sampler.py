@@ -8,6 +8,10 @@ The whole position is therefore one global number, `consumed`, identical on ever
 and any world size restores it, continuing the same order from the same position, so each sample is seen
 exactly once per epoch across any number of resizes. A final partial global batch is split as evenly as
 possible (sizes differ by at most one, so a rank may get an empty batch) instead of dropped or padded.
+
+The shuffled order is a keyed permutation (elastic.data.order: O(1) memory, any position computed on its own),
+order version 2. Version 1, `torch.randperm` (O(N) memory and time at every epoch start and restart), is kept
+for positions saved by earlier releases: a checkpoint without an order version resumes in the order it began.
 """
 
 from __future__ import annotations
@@ -21,7 +25,11 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from elastic.data.order import KeyedPermutation, round_keys
+
 _STATE_KEYS = ("epoch", "consumed", "seed", "num_samples", "shuffle")
+ORDER_VERSION = 2  # 1: torch.randperm (checkpoints of earlier releases); 2: a keyed permutation
+ORDER_VERSIONS = (1, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -52,12 +60,22 @@ def seed_sample(seed: int, epoch: int, index: int) -> None:
     torch.default_generator.manual_seed(value)
 
 
-def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
-    """The global order of sample indices for one epoch; it does not depend on the world size."""
+def epoch_order(
+    num_samples: int, seed: int, epoch: int, shuffle: bool = True, version: int = ORDER_VERSION
+) -> torch.Tensor:
+    """The global order of sample indices for one epoch, whole; it does not depend on the world size. (The
+    sampler computes only the slices it needs: see epoch_permutation.)"""
     if not shuffle:
         return torch.arange(num_samples)
-    generator = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
-    return torch.randperm(num_samples, generator=generator)
+    if version == 1:
+        generator = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
+        return torch.randperm(num_samples, generator=generator)
+    return torch.from_numpy(epoch_permutation(num_samples, seed, epoch).slice(0, num_samples))
+
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> KeyedPermutation:
+    """Order version 2 of one epoch: position -> sample index, computed per position in O(1) memory."""
+    return KeyedPermutation(num_samples, round_keys(_epoch_seed(seed, epoch), "sampler"))
 
 
 def _step_span(
@@ -134,7 +152,8 @@ class ResumableSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.epoch = 0
         self.consumed = 0  # positions of this epoch's global order consumed by all ranks together
-        self._order_cache: tuple[int, torch.Tensor] | None = None
+        self.order = ORDER_VERSION  # how the shuffled order is computed; a restored position keeps its own
+        self._order_cache: tuple[int, Any] | None = None
 
     # --- state
 
@@ -146,6 +165,7 @@ class ResumableSampler(Sampler[list[int]]):
             "seed": self.seed,
             "num_samples": self.num_samples,
             "shuffle": self.shuffle,
+            "order": self.order,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -164,7 +184,11 @@ class ResumableSampler(Sampler[list[int]]):
             raise ValueError(
                 f"sampler state is out of range: epoch={epoch}, consumed={consumed} (num_samples={self.num_samples})"
             )
-        self.epoch, self.consumed = epoch, consumed
+        order = int(state.get("order", 1))  # saved before order versions existed: torch.randperm's
+        if order not in ORDER_VERSIONS:
+            raise ValueError(f"sampler state has order version {order}; this elastic knows {ORDER_VERSIONS}")
+        self.epoch, self.consumed, self.order = epoch, consumed, order
+        self._order_cache = None
 
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of `epoch`; a no-op when already in it, so a restored mid-epoch position
@@ -238,5 +262,12 @@ class ResumableSampler(Sampler[list[int]]):
         if not self.shuffle:
             return list(range(start, stop))
         if self._order_cache is None or self._order_cache[0] != epoch:
-            self._order_cache = (epoch, epoch_order(self.num_samples, self.seed, epoch, shuffle=True))
-        return self._order_cache[1][start:stop].tolist()
+            if self.order == 1:
+                order = epoch_order(self.num_samples, self.seed, epoch, shuffle=True, version=1)
+            else:
+                order = epoch_permutation(self.num_samples, self.seed, epoch)
+            self._order_cache = (epoch, order)
+        order = self._order_cache[1]
+        if isinstance(order, KeyedPermutation):
+            return order.slice(start, stop).tolist()
+        return order[start:stop].tolist()

@@ -98,7 +98,14 @@ def test_one_epoch_is_exactly_once(dataset, world):
     steps = len(seen[0])
     global_sequence = [i for step in range(steps) for rank in range(world) for i in seen[rank][step]]
     assert global_sequence == epoch_order(N, 0, 0).tolist()
-    assert loaders[0].state_dict() == {"epoch": 1, "consumed": 0, "seed": 0, "num_samples": N, "shuffle": True}
+    assert loaders[0].state_dict() == {
+        "epoch": 1,
+        "consumed": 0,
+        "seed": 0,
+        "num_samples": N,
+        "shuffle": True,
+        "order": 2,
+    }
 
 
 def test_tail_is_split_evenly_in_rank_order(dataset):
