@@ -17,6 +17,7 @@ from elastic.cli import (
     chaos,
     checkpoints,
     cluster,
+    data,
     demo,
     jobs,
     local,
@@ -70,6 +71,7 @@ def cli(verbose: bool, quiet: bool) -> None:
 for command in (
     local.local_group,
     spec.spec_group,
+    data.data_group,
     jobs.submit_cmd,
     jobs.run_cmd,
     jobs.status_cmd,

@@ -134,7 +134,11 @@ class ResumableSampler(Sampler[list[int]]):
         seed: int = 0,
         shuffle: bool = True,
         drop_last: bool = False,
+        order_source: Any = None,
     ) -> None:
+        """`order_source`, when given, is a dataset that owns its epoch order (StreamingDataset): its
+        `epoch_order(seed, epoch, shuffle)` replaces the sampler's own permutation and its `source` (the data's
+        fingerprint and shuffle window) is kept in the state, so a resume on other data is refused."""
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0, got {num_samples}")
         if batch_size < 1:
@@ -153,6 +157,7 @@ class ResumableSampler(Sampler[list[int]]):
         self.epoch = 0
         self.consumed = 0  # positions of this epoch's global order consumed by all ranks together
         self.order = ORDER_VERSION  # how the shuffled order is computed; a restored position keeps its own
+        self._order_source = order_source
         self._order_cache: tuple[int, Any] | None = None
 
     # --- state
@@ -166,6 +171,7 @@ class ResumableSampler(Sampler[list[int]]):
             "num_samples": self.num_samples,
             "shuffle": self.shuffle,
             "order": self.order,
+            **({"source": self._order_source.source} if self._order_source is not None else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -173,6 +179,13 @@ class ResumableSampler(Sampler[list[int]]):
         missing = [key for key in _STATE_KEYS if key not in state]
         if missing:
             raise ValueError(f"sampler state is missing {', '.join(missing)}; was it saved by ResumableSampler?")
+        mine = self._order_source.source if self._order_source is not None else None
+        if state.get("source") != mine:
+            raise ValueError(
+                f"the data changed since the checkpoint: it was read from {state.get('source') or 'an in-memory dataset'}"
+                f", now from {mine or 'an in-memory dataset'}; resume on the same data (and shuffle window), or "
+                "start a fresh run"
+            )
         for key in ("num_samples", "seed", "shuffle"):
             if state[key] != getattr(self, key):
                 raise ValueError(
@@ -259,6 +272,10 @@ class ResumableSampler(Sampler[list[int]]):
             self.epoch, self.consumed = self.epoch + 1, 0
 
     def _indices(self, epoch: int, start: int, stop: int) -> list[int]:
+        if self._order_source is not None:
+            if self._order_cache is None or self._order_cache[0] != epoch:
+                self._order_cache = (epoch, self._order_source.epoch_order(self.seed, epoch, self.shuffle))
+            return self._order_cache[1].slice(start, stop).tolist()
         if not self.shuffle:
             return list(range(start, stop))
         if self._order_cache is None or self._order_cache[0] != epoch:

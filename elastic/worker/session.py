@@ -267,7 +267,15 @@ class Session:
         """An exactly-once, resumable loader over a map-style dataset for this rank (elastic.data), tracked
         so its position is checkpointed: after a restore at any worker count it continues where it was."""
         sampler = ResumableSampler(
-            len(dataset), batch_size, self.rank, self.world_size, seed=seed, shuffle=shuffle, drop_last=drop_last
+            len(dataset),
+            batch_size,
+            self.rank,
+            self.world_size,
+            seed=seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            # A dataset that owns its epoch order (elastic.data.StreamingDataset: row-group windows) gives it.
+            order_source=dataset if hasattr(dataset, "epoch_order") else None,
         )
         loader = ResumableLoader(dataset, sampler, observer=self._ledger.on_batch, **dataloader_kwargs)
         if isinstance(self._ledger, SampleLedger):

@@ -1,0 +1,183 @@
+"""`StreamingDataset`: a dataset in a bucket (sharded Parquet with a manifest, elastic.data.manifest), read
+row group by row group in the order elastic.data.block_order gives, with the next window's row groups fetched
+ahead in parallel while the current one trains.
+
+Used through `session.loader(dataset, batch_size=B)` like any map-style dataset: the loader's sampler takes
+its epoch order from the dataset (`epoch_order`), so positions stay global and exactly-once holds across any
+resize, and the sampler's state records the dataset's fingerprint and shuffle window, so a resume on a changed
+dataset is refused with one line instead of reading other rows at the saved positions.
+
+Reads happen in the training process (DataLoader num_workers=0 is the intended use: the I/O is on threads of
+its own); a decoded row group is kept until its window has been trained, plus the windows prefetched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+from torch.utils.data import Dataset
+
+from elastic.data import manifest as manifests
+from elastic.data.block_order import BlockShuffleOrder
+from elastic.data.parquet import _column_reader
+from elastic.storage import fsspec_filesystem
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_SHUFFLE_WINDOW = 64  # row groups shuffled together (label-sorted data: see block_order's quality)
+
+
+class EpochRows:
+    """One epoch's order as the sampler reads it: positions -> global row ids (file order, row group order)."""
+
+    def __init__(self, order: BlockShuffleOrder, group_starts: np.ndarray):
+        self.order = order
+        self._group_starts = group_starts
+
+    def slice(self, start: int, stop: int) -> np.ndarray:
+        spans = self.order.rows(start, stop)
+        if not spans:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate([self._group_starts[s.group] + s.rows for s in spans])
+
+
+class StreamingDataset(Dataset):
+    """Rows of a dataset in a bucket. `columns` picks columns; `transform(row_dict)` maps each row; the shuffle
+    mixes rows of `shuffle_window` row groups; `prefetch` windows are fetched ahead with `io_threads` GETs in
+    flight. `verify` checks every file's size and ETag against the manifest up front."""
+
+    def __init__(
+        self,
+        uri: str,
+        columns: Sequence[str] | None = None,
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+        prefetch: int = 1,
+        io_threads: int = 8,
+        verify: bool = True,
+    ):
+        self.uri = uri.rstrip("/")
+        self.manifest = manifests.load(self.uri)
+        if verify:
+            manifests.verify(self.manifest)
+        names = self.manifest.arrow_schema().names
+        unknown = [c for c in columns or () if c not in names]
+        if unknown:
+            raise manifests.DatasetError(f"{self.uri}: no column(s) {', '.join(unknown)}; it has {', '.join(names)}")
+        self.columns = list(columns) if columns is not None else None
+        self.transform = transform
+        self.shuffle_window = shuffle_window
+        self.prefetch = max(0, prefetch)
+        self.io_threads = max(1, io_threads)
+        # Row group g (dataset order): its file, its index in the file, and its first global row.
+        self._groups = [(f, i) for f, entry in enumerate(self.manifest.files) for i in range(len(entry.row_groups))]
+        counts = np.asarray(self.manifest.row_group_rows(), dtype=np.int64)
+        self._row_counts = counts
+        self._group_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._reset_process_state()
+
+    # --- what the sampler asks (elastic.data.sampler)
+
+    @property
+    def source(self) -> str:
+        """Identity of the order, kept in the sampler's state: a resume on other data or another window is refused."""
+        return f"{self.uri}#{self.manifest.fingerprint}/window={self.shuffle_window}"
+
+    def epoch_order(self, seed: int, epoch: int, shuffle: bool = True) -> EpochRows:
+        order = BlockShuffleOrder(self._row_counts, seed, epoch, self.shuffle_window, shuffle=shuffle)
+        with self._lock:
+            self._order = order
+            self._sequence_index = np.empty(len(order.group_sequence), dtype=np.int64)
+            self._sequence_index[order.group_sequence] = np.arange(len(order.group_sequence))
+        return EpochRows(order, self._group_starts)
+
+    # --- access
+
+    def __len__(self) -> int:
+        return self.manifest.rows
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        ids = np.asarray(indices, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
+            raise IndexError(f"row {int(ids.max())} out of range for {len(self)} rows")
+        groups = np.searchsorted(self._group_starts, ids, side="right") - 1
+        readers = {g: self._row_group(int(g)) for g in np.unique(groups)}
+        rows = ids - self._group_starts[groups]
+        out = []
+        for g, r in zip(groups.tolist(), rows.tolist()):
+            item = {name: read(r) for name, read in readers[g].items()}
+            out.append(self.transform(item) if self.transform is not None else item)
+        return out
+
+    # --- row groups: fetched once, ahead of need
+
+    def _row_group(self, group: int) -> dict[str, Callable[[int], Any]]:
+        if self._pid != os.getpid():  # forked into a DataLoader worker: open our own handles
+            self._reset_process_state()
+        with self._lock:
+            pending = self._loads.get(group)
+            if pending is None:
+                pending = self._loads[group] = self._pool.submit(self._read, group)
+            self._loads.move_to_end(group)
+            self._prefetch_after(group)
+        return pending.result()
+
+    def _prefetch_after(self, group: int) -> None:
+        """Under the lock: start fetching the windows after `group`'s, and forget the row groups of windows
+        before the previous one (a batch may straddle two windows)."""
+        if self._order is None:  # no epoch order asked for (plain indexing): keep the last few row groups
+            while len(self._loads) > 2 * self.shuffle_window:
+                self._loads.popitem(last=False)
+            return
+        window = int(self._sequence_index[group]) // self.shuffle_window
+        for w in range(window + 1, window + 1 + self.prefetch):
+            for g in self._order.window_groups(w).tolist():
+                if g not in self._loads:
+                    self._loads[g] = self._pool.submit(self._read, g)
+        for g in [g for g in self._loads if int(self._sequence_index[g]) // self.shuffle_window < window - 1]:
+            del self._loads[g]
+
+    def _read(self, group: int) -> dict[str, Callable[[int], Any]]:
+        file_index, row_group = self._groups[group]
+        entry = self.manifest.files[file_index]
+        fs, root = fsspec_filesystem(self.uri)
+        # Exact ranges: the footer, then the row group's column chunks (pre_buffer coalesces them into few GETs).
+        with fs.open(f"{root}/{entry.path}", "rb", cache_type="none") as handle:
+            table = pq.ParquetFile(handle, pre_buffer=True).read_row_group(row_group, columns=self.columns)
+        if table.num_rows != entry.row_groups[row_group]:
+            raise manifests.DatasetError(
+                f"{self.uri}: {entry.path} changed since the manifest was written; rebuild it with "
+                f"`elastic data index {self.uri}`"
+            )
+        return {name: _column_reader(table.column(name).combine_chunks()) for name in table.column_names}
+
+    # --- per-process state, never pickled
+
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="elastic-data")
+        self._loads: OrderedDict[int, Future] = OrderedDict()
+        self._order: BlockShuffleOrder | None = None
+        self._sequence_index = np.empty(0, dtype=np.int64)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in ("_pid", "_lock", "_pool", "_loads", "_order", "_sequence_index"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_process_state()

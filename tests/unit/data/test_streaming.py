@@ -1,0 +1,178 @@
+"""Unit tests for datasets in buckets on a local folder: `prepare` from every source kind, `index` of Parquet
+written by others, the manifest's checks (missing, changed, mixed schemas, empty, half-written), and
+StreamingDataset through the session's sampler and loader: every row once per epoch at any world size and
+across a resize mid-epoch, and a resume on changed data refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from elastic.data import ResumableLoader, ResumableSampler, StreamingDataset
+from elastic.data.manifest import MANIFEST_NAME, PREPARING_NAME, DatasetError, index, load, verify
+from elastic.data.prepare import prepare
+
+ROWS = 3000
+
+
+@pytest.fixture
+def source(tmp_path):
+    """3000 rows, stored sorted by label (the hardest order for a block shuffle)."""
+    path = tmp_path / "digits.npz"
+    rng = np.random.default_rng(0)
+    np.savez(
+        path, x=rng.random((ROWS, 16), dtype=np.float32), y=np.repeat(np.arange(10), ROWS // 10), i=np.arange(ROWS)
+    )
+    return path
+
+
+@pytest.fixture
+def dataset_dir(source, tmp_path):
+    dest = tmp_path / "dataset"
+    prepare(str(source), str(dest), shard_mb=0.05, row_group_mb=0.005)
+    return dest
+
+
+def test_prepare_writes_shards_row_groups_and_a_manifest_last(dataset_dir):
+    manifest = load(str(dataset_dir))
+    assert manifest.rows == ROWS and len(manifest.files) > 1 and manifest.num_row_groups > len(manifest.files)
+    assert manifest.summary()["columns"] == {"x": "fixed_size_list<element: float>[16]", "y": "int64", "i": "int64"}
+    written = json.loads((dataset_dir / MANIFEST_NAME).read_text())
+    assert written["rows"] == ROWS and written["fingerprint"] == manifest.fingerprint
+    assert not (dataset_dir / PREPARING_NAME).exists()
+    assert pq.read_table(dataset_dir).column("i").to_pylist() == list(range(ROWS))  # in the source's order
+
+
+def test_a_rerun_replaces_the_dataset_and_removes_shards_it_no_longer_has(source, dataset_dir):
+    before = sorted(p.name for p in dataset_dir.glob("*.parquet"))
+    manifest = prepare(str(source), str(dataset_dir), shard_mb=1.0, row_group_mb=0.005, shuffle_seed=3)
+    assert sorted(p.name for p in dataset_dir.glob("*.parquet")) == ["part-00000.parquet"] != before
+    ids = pq.read_table(dataset_dir).column("i").to_pylist()
+    assert sorted(ids) == list(range(ROWS)) and ids != list(range(ROWS))  # shuffled once, globally
+    assert load(str(dataset_dir)).fingerprint == manifest.fingerprint
+
+
+def test_every_source_kind_prepares(tmp_path):
+    rows = [{"text": f"row {i}", "n": i} for i in range(50)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rows.csv").write_text("text,n\n" + "".join(f"{r['text']},{r['n']}\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    np.save(tmp_path / "rows.npy", np.arange(50))
+    (tmp_path / "gen.py").write_text(
+        "def rows():\n    for i in range(50):\n        yield {'text': f'row {i}', 'n': i}\n"
+    )
+    for src in ("rows.jsonl", "rows.csv", "rows.parquet", "rows.npy", "gen.py:rows"):
+        manifest = prepare(str(tmp_path / src), str(tmp_path / f"out-{src.replace(':', '-')}"))
+        assert manifest.rows == 50, src
+
+
+def test_parquet_written_by_others_is_indexed_from_its_footers(tmp_path):
+    folder = tmp_path / "foreign"
+    folder.mkdir()
+    for part in range(3):
+        table = pa.table({"a": np.arange(part * 100, part * 100 + 100), "b": np.ones(100)})
+        pq.write_table(table, folder / f"part-{part}.parquet", row_group_size=30)
+    manifest = load(str(folder))  # no manifest yet: built once, on first use
+    assert manifest.rows == 300 and manifest.row_group_rows() == [30, 30, 30, 10] * 3
+    assert (folder / MANIFEST_NAME).exists()
+    dataset = StreamingDataset(str(folder))
+    assert [dataset[i]["a"] for i in (0, 150, 299)] == [0, 150, 299]
+
+
+def test_bad_datasets_are_one_line_naming_the_problem_and_the_fix(tmp_path, dataset_dir):
+    with pytest.raises(DatasetError, match="no such dataset"):
+        load(str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="no Parquet files"):
+        index(str(tmp_path / "empty"))
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    pq.write_table(pa.table({"a": [1]}), mixed / "1.parquet")
+    pq.write_table(pa.table({"b": ["x"]}), mixed / "2.parquet")
+    with pytest.raises(DatasetError, match=r"2.parquet has columns \(b: string\) but 1.parquet has \(a: int64\)"):
+        index(str(mixed))
+    with pytest.raises(DatasetError, match="no column"):
+        StreamingDataset(str(dataset_dir), columns=["nope"])
+    manifest = load(str(dataset_dir))
+    shard = dataset_dir / manifest.files[1].path
+    stamp = shard.stat().st_mtime + 5
+    os.utime(shard, (stamp, stamp))  # rewritten since the manifest (same size, new ETag/mtime)
+    with pytest.raises(DatasetError, match=f"{manifest.files[1].path} changed since the manifest"):
+        verify(manifest)
+    shard.unlink()
+    with pytest.raises(DatasetError, match=f"{manifest.files[1].path} is missing"):
+        StreamingDataset(str(dataset_dir))
+    (dataset_dir / PREPARING_NAME).write_text("")
+    with pytest.raises(DatasetError, match="being written by `elastic data prepare`"):
+        load(str(dataset_dir))
+
+
+def _epoch(dataset, world, batch=64, seed=0, states=None, steps=None):
+    """Run `steps` global steps (or the epoch) with `world` ranks; return the rows seen and rank 0's state."""
+    samplers = [ResumableSampler(len(dataset), batch, r, world, seed=seed, order_source=dataset) for r in range(world)]
+    loaders = [ResumableLoader(dataset, s) for s in samplers]
+    if states is not None:
+        for loader in loaders:
+            loader.load_state_dict(states)
+    seen = []
+    iterators = [iter(loader) for loader in loaders]
+    taken = 0
+    while steps is None or taken < steps:
+        try:
+            batches = [next(it) for it in iterators]
+        except StopIteration:
+            break
+        seen += [int(i) for b in batches for i in b["i"]]
+        taken += 1
+    return seen, loaders[0].state_dict()
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_an_epoch_reads_every_row_once_at_any_world_size(dataset_dir, world):
+    dataset = StreamingDataset(str(dataset_dir), shuffle_window=4)
+    seen, state = _epoch(dataset, world)
+    assert sorted(seen) == list(range(ROWS))
+    assert state["epoch"] == 1 and state["source"] == dataset.source
+
+
+def test_a_resize_mid_epoch_keeps_every_row_exactly_once(dataset_dir):
+    dataset = StreamingDataset(str(dataset_dir), shuffle_window=4)
+    first, state = _epoch(dataset, 2, steps=7)
+    rest, end = _epoch(StreamingDataset(str(dataset_dir), shuffle_window=4), 3, states=state)
+    counts = Counter(first + rest)
+    assert sorted(counts) == list(range(ROWS)) and set(counts.values()) == {1}
+    assert end["epoch"] == 1
+    # The same order, whatever the world size: 2 ranks for 7 steps then 3 = 1 rank all the way.
+    whole, _ = _epoch(StreamingDataset(str(dataset_dir), shuffle_window=4), 1, batch=1)
+    assert sorted(first) == sorted(whole[: len(first)])
+
+
+def test_a_resume_on_changed_data_or_another_window_is_refused(source, dataset_dir, tmp_path):
+    dataset = StreamingDataset(str(dataset_dir), shuffle_window=4)
+    _, state = _epoch(dataset, 2, steps=3)
+    with pytest.raises(ValueError, match="the data changed since the checkpoint"):
+        _epoch(StreamingDataset(str(dataset_dir), shuffle_window=8), 2, states=state)
+    time.sleep(0.01)
+    prepare(str(source), str(dataset_dir), shard_mb=0.05, row_group_mb=0.005, shuffle_seed=1)
+    with pytest.raises(ValueError, match="the data changed since the checkpoint"):
+        _epoch(StreamingDataset(str(dataset_dir), shuffle_window=4), 2, states=state)
+
+
+def test_the_next_window_is_fetched_ahead_and_windows_behind_are_let_go(dataset_dir):
+    dataset = StreamingDataset(str(dataset_dir), shuffle_window=2, prefetch=1)
+    order = dataset.epoch_order(0, 0)
+    first = order.slice(0, 10)
+    dataset.__getitems__(first.tolist())
+    ahead = set(order.order.window_groups(1).tolist())
+    assert ahead <= set(dataset._loads)  # window 1's row groups are being fetched while window 0 trains
+    late = order.order.starts[4 * 2]  # a position in window 4
+    dataset.__getitems__(order.slice(int(late), int(late) + 1).tolist())
+    windows = {int(dataset._sequence_index[g]) // 2 for g in dataset._loads}
+    assert min(windows) >= 3  # windows 0-2 are let go
