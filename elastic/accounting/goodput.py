@@ -13,6 +13,9 @@ Causes, by priority where they overlap (a placement started ahead trains while t
   worker group that ended at a reclaim or died with a node, `preemption_gap` (until the next group trains);
   after one that died with no node lost, `failure_recovery`; after the last step, `other` (the final
   teardown).
+- data_wait: the part of productive step time the loop spent waiting for its batches (each step window of the
+  ledger says how much; spread through the steps, it is taken out of productive time in the totals, not shown
+  as intervals of its own on the timeline);
 - hang: from the last step of a worker group that stopped making progress to the moment the hang watchdog
   ended it (its attempt ended with reason "hang"); the restart after it is `failure_recovery`.
 """
@@ -42,6 +45,7 @@ CAUSES = (
     "waiting_for_capacity",
     "restore",
     "checkpoint_stall",
+    "data_wait",
     "lost_work_redone",
     "preemption_gap",
     "failure_recovery",
@@ -216,6 +220,9 @@ def account(events: list[Event]) -> Goodput:
                 pieces[-1] = (pieces[-1][0], b, cause)
             else:
                 pieces.append((a, b, cause))
+    waited = min(_data_wait(groups, pieces), totals["productive"])
+    totals["productive"] -= waited
+    totals["data_wait"] = waited
     wall = sum(b - a for a, b in segments)
     return Goodput(
         wall_s=wall,
@@ -227,6 +234,25 @@ def account(events: list[Event]) -> Goodput:
         redone=covers["lost_work_redone"].spans,
         pieces=pieces,
     )
+
+
+def _data_wait(groups: list[Attempt], pieces: list[tuple[float, float, str]]) -> float:
+    """Seconds of productive time the loop spent waiting for data: each window's wait, in the share of the
+    window that stayed productive (a window re-done later counts as lost work, its waits included)."""
+    productive = [(a, b) for a, b, cause in pieces if cause == "productive"]
+    starts = [a for a, _ in productive]
+    waited = 0.0
+    for group in groups:
+        for window in group.windows:
+            length = window.ended - window.time
+            if window.data_wait_s <= 0 or length <= 0:
+                continue
+            kept, i = 0.0, max(0, bisect.bisect_right(starts, window.time) - 1)
+            while i < len(productive) and productive[i][0] < window.ended:
+                kept += max(0.0, min(window.ended, productive[i][1]) - max(window.time, productive[i][0]))
+                i += 1
+            waited += min(window.data_wait_s, length) * kept / length
+    return waited
 
 
 def _between_groups(t: float, groups: list[Attempt], deaths: list[float], noticed: set[str]) -> str:

@@ -20,6 +20,7 @@ CAUSE_COLOURS = {
     "waiting_for_capacity": "#888888",
     "restore": "tab:purple",
     "checkpoint_stall": "tab:olive",
+    "data_wait": "tab:cyan",
     "lost_work_redone": "tab:brown",
     "preemption_gap": "tab:red",
     "failure_recovery": "#aa0000",

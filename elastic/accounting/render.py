@@ -12,6 +12,7 @@ CAUSE_NAMES = {
     "waiting_for_capacity": "waiting for capacity",
     "restore": "restore",
     "checkpoint_stall": "checkpoint stall",
+    "data_wait": "waiting for data",
     "lost_work_redone": "lost work re-done",
     "preemption_gap": "preemption gaps",
     "failure_recovery": "failure recovery",
@@ -48,6 +49,8 @@ def print_run(console: Console, report: dict) -> None:
             share = seconds / report["wall_s"] if report["wall_s"] else 0.0
             badput.add_row(CAUSE_NAMES.get(cause, cause), f"{seconds:.1f}", f"{share:.1%}")
     console.print(badput)
+    if report.get("input_bound"):
+        console.print(f"[yellow]input-bound:[/] {report['input_bound']['advice']}")
     usage = Table("market", "GPU-hours", "node-hours")
     for market in report["gpu_hours"]:
         usage.add_row(market, f"{report['gpu_hours'][market]:.4f}", f"{report['node_hours'][market]:.4f}")

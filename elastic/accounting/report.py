@@ -38,6 +38,25 @@ def is_sweep(uri: str) -> bool:
     return fs.exists(f"{path}/{SWEEP_PLAN_FILE}")
 
 
+INPUT_BOUND_SHARE = 0.05  # of step time spent waiting for data: above it, the run says it is input-bound
+
+
+def input_bound(productive_s: float, data_wait_s: float) -> dict | None:
+    """When the loop waited for data more than INPUT_BOUND_SHARE of its step time: the share and what to change."""
+    step_time = productive_s + data_wait_s
+    share = data_wait_s / step_time if step_time > 0 else 0.0
+    if share <= INPUT_BOUND_SHARE:
+        return None
+    return {
+        "share_of_step_time": round(share, 4),
+        "advice": (
+            f"the loop waited for data {share:.0%} of its step time; fetch further ahead (StreamingDataset "
+            "prefetch=, io_threads=), move decoding and transforms to DataLoader workers (num_workers=), or "
+            "write larger row groups (elastic data prepare --row-group-mb) so each fetch carries more rows"
+        ),
+    }
+
+
 def run_report(run_uri: str, prices: PriceTable, events: list[Event] | None = None) -> dict:
     events = read_ledger(run_uri) if events is None else events
     result = account(events)
@@ -55,6 +74,7 @@ def run_report(run_uri: str, prices: PriceTable, events: list[Event] | None = No
         "jobs": len(result.segments),
         "goodput": round(result.goodput, 4) if result.goodput is not None else None,
         "badput": {k: round(v, 3) for k, v in result.badput.items()},
+        "input_bound": input_bound(result.productive_s, result.badput.get("data_wait", 0.0)),
         "wall_s": round(result.wall_s, 3),
         "productive_s": round(result.productive_s, 3),
         "steps": result.steps,

@@ -14,6 +14,7 @@ With num_workers=0 the dataset draws from the training process's own streams, wh
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -122,6 +123,7 @@ class ResumableLoader:
             raise ValueError("ResumableLoader owns its generator (seeded by its position); drop generator=")
         self.dataset = dataset
         self.sampler = sampler
+        self.wait_seconds = 0.0  # time the caller spent waiting for batches, since take_wait_seconds()
         self._observer = observer  # told (epoch, indices) of every batch handed out: the audit ledger
         # Seeded from the position before each iterator is made: creating one never touches the global stream.
         self._generator = torch.Generator()
@@ -160,11 +162,24 @@ class ResumableLoader:
             return
         # The DataLoader snapshots the position here and may prefetch far ahead; we count on delivery.
         self._generator.manual_seed(_position_seed(self.sampler.seed, *position))
-        for batch in self._dataloader:
+        batches = iter(self._dataloader)
+        while True:
+            started = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            # What the loop waits for data: reads, decoding, collation, or workers behind (input-bound runs).
+            self.wait_seconds += time.perf_counter() - started
             if self._observer is not None:
                 self._observer(position[0], self.sampler.batch_at(position))
             position = self.sampler.advance(position)
             yield batch
+
+    def take_wait_seconds(self) -> float:
+        """Seconds spent waiting for batches since the last call (the session asks once per step)."""
+        waited, self.wait_seconds = self.wait_seconds, 0.0
+        return waited
 
     def epochs(self, num_epochs: int) -> Iterator[tuple[int, Any]]:
         """(epoch, batch) for the rest of the current epoch and every further epoch below num_epochs."""

@@ -138,6 +138,7 @@ class Steps(Event):
     first_step: int = 0
     last_step: int = 0
     metrics: dict = field(default_factory=dict)
+    data_wait_s: float = 0.0  # of the window's time, what the loop spent waiting for batches (rank 0)
 
 
 @dataclass(frozen=True)

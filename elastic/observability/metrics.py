@@ -45,6 +45,8 @@ class NoMetrics:
 
     def goodput(self, value: float) -> None: ...
 
+    def data_wait(self, seconds: float) -> None: ...
+
     def checkpoint_committed(self, save_seconds: float, stall_seconds: float, committed_at: float) -> None: ...
 
     def checkpoint_interval(self, seconds: float) -> None: ...
@@ -110,6 +112,9 @@ class RunMetrics(NoMetrics):
             "elastic_placement_workers", "Workers of the run's current placement, by market.", ("run", "market")
         )
         self._goodput = Gauge("elastic_goodput", "Productive step time over wall time since the run's start.", run)
+        self._data_wait = Counter(
+            "elastic_data_wait_seconds", "Seconds the training loop waited for its batches (rank 0).", run
+        )
         self._gpu_utilization: Gauge | None = None  # made on the first GPU sample: absent on CPU nodes
         self._gpu_memory: Gauge | None = None
         self._markets: set[str] = set()
@@ -126,6 +131,9 @@ class RunMetrics(NoMetrics):
 
     def goodput(self, value: float) -> None:
         self._goodput.set(value, self._tags)
+
+    def data_wait(self, seconds: float) -> None:
+        self._data_wait.inc(seconds, self._tags)
 
     def checkpoint_committed(self, save_seconds: float, stall_seconds: float, committed_at: float) -> None:
         self._save.observe(save_seconds, self._tags)

@@ -43,7 +43,7 @@ class NoAttemptLedger:
     def training(self) -> None:
         pass
 
-    def stepped(self, step: int, metrics: dict | None) -> None:
+    def stepped(self, step: int, metrics: dict | None, data_wait: float = 0.0) -> None:
         pass
 
     def saving(self, step: int, asynchronous: bool, reason: str) -> None:
@@ -77,6 +77,7 @@ class AttemptLedger:
         self._first_step: int | None = None
         self._last_step: int | None = None
         self._last_step_at: float | None = None
+        self._data_wait = 0.0  # seconds waited for data in the open window
         self._metrics: dict = {}
         self._restore_started: float | None = None
         self._saves: dict[int, tuple[float, bool, str]] = {}  # step -> (started, asynchronous, reason)
@@ -114,7 +115,8 @@ class AttemptLedger:
         """The loop starts now (after restore): the first window opens."""
         self._window_start = self._clock()
 
-    def stepped(self, step: int, metrics: dict | None) -> None:
+    def stepped(self, step: int, metrics: dict | None, data_wait: float = 0.0) -> None:
+        self._data_wait += data_wait
         if self._window_start is None:  # no restore() call: the window opens at the first step's end
             self._window_start, self._first_step = self._clock(), step + 1
             return
@@ -188,9 +190,10 @@ class AttemptLedger:
                 first_step=self._first_step,
                 last_step=self._last_step,
                 metrics=numeric(self._metrics),
+                data_wait_s=round(self._data_wait, 4),
             )
         )
-        self._window_start, self._first_step = now, None
+        self._window_start, self._first_step, self._data_wait = now, None, 0.0
 
 
 def attempt_ledger(

@@ -342,7 +342,9 @@ class Session:
     def step(self, metrics: dict | None = None) -> None:
         """Call once per optimizer step, on every rank. Checkpoints (asynchronously) when due."""
         self.step_count += 1
-        self._attempt.stepped(self.step_count, metrics)
+        waited = self._data_wait()
+        self._attempt.stepped(self.step_count, metrics, data_wait=waited)
+        self._telemetry.waited_for_data(waited)
         self._ledger.on_step(self.step_count, metrics)
         self._chaos.maybe_kill(self.step_count)
         if self._ending.jit.due(self.step_count):
@@ -430,6 +432,11 @@ class Session:
             dist.broadcast_object_list(attempt, src=0, group=self._checkpoint_group)
         self._ledger.attempt, self._ledger.resumed_from = attempt[0], resumed_from
         self._ledger.resumed_commit_time, self._ledger.load_started = commit_time, load_started
+
+    def _data_wait(self) -> float:
+        """Seconds this rank waited for its batches since the last step (the session's loader measures it)."""
+        take = getattr(self._state.tracked.get("data"), "take_wait_seconds", None)
+        return take() if take is not None else 0.0
 
     def _samples_per_step(self) -> int | None:
         """Samples in one optimizer step over all ranks, from the session's loader (None without one)."""

@@ -64,6 +64,7 @@ class Telemetry:
         self._step_seconds: deque[float] = deque()  # measured by the loop, published by the thread
         self._steps_taken = 0
         self._published_steps = 0
+        self._data_wait = 0.0  # seconds the loop waited for batches, not yet published
         self._samples_per_second: float | None = None
         self._mean_step_seconds: float | None = None
         self.step = 0
@@ -92,6 +93,9 @@ class Telemetry:
         if count == 0:
             return
         self.metrics.steps(count, self.step, seconds, self._samples_per_second)
+        waited, self._data_wait = self._data_wait, 0.0
+        if waited > 0:
+            self.metrics.data_wait(waited)
         goodput = self.goodput.goodput(self._wall_clock())
         if goodput is not None:
             self.metrics.goodput(goodput)
@@ -112,6 +116,11 @@ class Telemetry:
             samples = self._samples_per_step()
             if samples:
                 self._samples_per_second = samples / seconds
+
+    def waited_for_data(self, seconds: float) -> None:
+        """Rank 0: the loop waited `seconds` for its batches this step (handed to Ray's metrics in the background)."""
+        if self.chief and seconds > 0:
+            self._data_wait += seconds
 
     def on_commit(self, result: SaveResult) -> None:
         if not self.chief:

@@ -84,6 +84,7 @@ def test_a_noticed_reclaim_loses_nothing_and_every_second_has_one_cause():
             "waiting_for_capacity": 0.0,
             "restore": 2.0,
             "checkpoint_stall": 6.0,
+            "data_wait": 0.0,
             "lost_work_redone": 0.0,
             "preemption_gap": 2.0,
             "failure_recovery": 0.0,
@@ -254,3 +255,27 @@ def test_a_hung_attempt_is_its_own_badput_cause_until_the_watchdog_ends_it():
     assert result.lost_steps == 30
     assert result.productive_s + sum(result.badput.values()) == pytest.approx(result.wall_s)
     assert any(cause == "hang" for _, _, cause in result.pieces)
+
+
+def test_waiting_for_data_is_taken_out_of_productive_time_and_an_input_bound_run_says_what_to_change():
+    """Two windows of 10 s with 3 s and 1 s of data wait; the second window is re-done after a kill, so its
+    wait is lost work, not data wait."""
+    from elastic.accounting.report import input_bound
+
+    events = [
+        RunStarted(0.0, run="r"),
+        Steps(10.0, attempt="a", ended=20.0, first_step=1, last_step=50, data_wait_s=3.0),
+        CheckpointCommitted(20.0, attempt="a", committed=21.0, step=50, reason="periodic", stall_s=0.0),
+        Steps(20.0, attempt="a", ended=30.0, first_step=51, last_step=80, data_wait_s=1.0),
+        Restored(40.0, attempt="b", ended=42.0, step=50, from_world_size=2, world_size=2),
+        Steps(42.0, attempt="b", ended=62.0, first_step=51, last_step=100, data_wait_s=0.5),
+        AttemptEnded(62.0, attempt="b", step=100, reason="finished"),
+        RunEnded(63.0, status="SUCCEEDED"),
+    ]
+    result = account(events)
+    assert result.badput["data_wait"] == pytest.approx(3.5)
+    assert result.productive_s == pytest.approx(30.0 - 3.5)
+    assert result.productive_s + sum(result.badput.values()) == pytest.approx(result.wall_s)
+    bound = input_bound(result.productive_s, result.badput["data_wait"])
+    assert bound["share_of_step_time"] == pytest.approx(3.5 / 30.0, abs=1e-4) and "prefetch" in bound["advice"]
+    assert input_bound(100.0, 4.0) is None  # under 5% of step time: not input-bound

@@ -8,12 +8,15 @@ import threading
 import pytest
 
 from elastic.checkpoint.checkpointer import SaveResult
+from elastic.config.spec import CheckpointSpec
+from elastic.observability.metrics import NoMetrics
 from elastic.worker.audit import NoLedger
 from elastic.worker.chaos import Chaos
 from elastic.worker.jit import NoJustInTime
 from elastic.worker.reporting import CommitReports
 from elastic.worker.run_ledger import NoAttemptLedger
 from elastic.worker.session import Session
+from elastic.worker.telemetry import Telemetry
 from elastic.worker.training_state import TrainingState
 
 
@@ -36,6 +39,7 @@ def _bare_session() -> Session:
     session._chaos = Chaos(store=None, rank=0, plan=[])
     session._ending = _NoEnding()
     session._cadence = _NeverDue()
+    session._telemetry = Telemetry(NoMetrics(), 0, CheckpointSpec(uri="/tmp/unused", every_steps=10), None, lambda: None)
     return session
 
 
