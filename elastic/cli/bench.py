@@ -317,3 +317,50 @@ def bench_s3_cmd(servers: tuple[str, ...], size_mb: float, objects: int, threads
         table.add_row(*[str(row[c]) for c in columns], str(row["pyarrow_round_trip"]), str(row["kept_across_restart"]))
     console.print(f"[bold]s3[/] ({objects} objects of {size_mb} MB, {threads} threads, through s3fs)")
     console.print(table)
+
+
+@bench_group.command("data")
+@click.argument("uri", required=False)
+@click.option("--ranks", default=2, show_default=True, type=click.IntRange(1), help="Ranks reading one epoch.")
+@click.option("--rows", default=200_000, show_default=True, type=click.IntRange(1), help="Rows of the generated set.")
+@click.option("--row-bytes", default=1024, show_default=True, type=click.IntRange(32), help="Bytes a generated row.")
+@click.option("--shuffle-window", default=16, show_default=True, type=click.IntRange(1), help="Row groups a window.")
+@click.option("--synthetic-rows", type=float, help="Measure the epoch order alone on a manifest of this many rows.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_data_cmd(
+    uri: str | None,
+    ranks: int,
+    rows: int,
+    row_bytes: int,
+    shuffle_window: int,
+    synthetic_rows: float | None,
+    as_json: bool,
+) -> None:
+    """Streaming a dataset from a bucket: sequential and block-shuffled rows/s beside raw parallel GETs and a
+    pyarrow scan of the same files, read amplification; or (--synthetic-rows) the epoch order's memory and
+    first-batch time at that size beside torch.randperm's.
+
+    \b
+    Examples:
+      elastic bench data --json                       # a generated dataset in the local stack's bucket
+      elastic bench data s3://my-bucket/datasets/x    # your own dataset (its manifest is built if missing)
+      elastic bench data --synthetic-rows 1e9 --json
+    """
+    from elastic.bench import data as bench
+
+    if synthetic_rows is not None:
+        result = bench.bench_order(int(synthetic_rows), row_groups=max(1, int(synthetic_rows) // 10_000))
+        ratios: dict[str, float] = {}
+    else:
+        if uri is None:
+            uri = bench.generated_dataset(
+                _bench_target(None, f"bench/data-{rows}-{row_bytes}"), rows, row_bytes, row_group_mb=3.0
+            )
+        else:
+            _bench_target(uri, "")
+        result = bench.bench_data(uri, ranks=ranks, shuffle_window=shuffle_window)
+        ratios = {"shuffled_vs_raw": 0.8, "shuffled_vs_sequential": 0.9}
+    if as_json:
+        print_json(result)
+    else:
+        _show_bench("data", result, ratios)

@@ -154,7 +154,16 @@ class StreamingDataset(Dataset):
         fs, root = fsspec_filesystem(self.uri)
         # Exact ranges: the footer, then the row group's column chunks (pre_buffer coalesces them into few GETs).
         with fs.open(f"{root}/{entry.path}", "rb", cache_type="none") as handle:
-            table = pq.ParquetFile(handle, pre_buffer=True).read_row_group(row_group, columns=self.columns)
+            parquet = pq.ParquetFile(handle, pre_buffer=True)
+            table = parquet.read_row_group(row_group, columns=self.columns)
+            chunk_bytes = sum(
+                column.total_compressed_size
+                for column in (
+                    parquet.metadata.row_group(row_group).column(i) for i in range(parquet.metadata.num_columns)
+                )
+            )
+        with self._lock:
+            self.bytes_fetched += chunk_bytes  # the row group's column chunks (footers not counted)
         if table.num_rows != entry.row_groups[row_group]:
             raise manifests.DatasetError(
                 f"{self.uri}: {entry.path} changed since the manifest was written; rebuild it with "
@@ -167,6 +176,7 @@ class StreamingDataset(Dataset):
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        self.bytes_fetched = 0  # column-chunk bytes read from storage by this process (the benchmark's measure)
         self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="elastic-data")
         self._loads: OrderedDict[int, Future] = OrderedDict()
         self._order: BlockShuffleOrder | None = None
@@ -174,7 +184,7 @@ class StreamingDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_pid", "_lock", "_pool", "_loads", "_order", "_sequence_index"):
+        for key in ("_pid", "_lock", "_pool", "_loads", "_order", "_sequence_index", "bytes_fetched"):
             state.pop(key, None)
         return state
 
