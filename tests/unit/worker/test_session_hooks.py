@@ -39,7 +39,9 @@ def _bare_session() -> Session:
     session._chaos = Chaos(store=None, rank=0, plan=[])
     session._ending = _NoEnding()
     session._cadence = _NeverDue()
-    session._telemetry = Telemetry(NoMetrics(), 0, CheckpointSpec(uri="/tmp/unused", every_steps=10), None, lambda: None)
+    session._telemetry = Telemetry(
+        NoMetrics(), 0, CheckpointSpec(uri="/tmp/unused", every_steps=10), None, lambda: None
+    )
     return session
 
 
