@@ -22,12 +22,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 from torch.utils.data import Dataset
 
 from elastic.data import manifest as manifests
 from elastic.data.block_order import BlockShuffleOrder
-from elastic.data.parquet import _column_reader
+from elastic.data.parquet import _column_reader, _is_numeric
 from elastic.storage import fsspec_filesystem
 
 _log = logging.getLogger(__name__)
@@ -47,6 +48,31 @@ class EpochRows:
         if not spans:
             return np.empty(0, dtype=np.int64)
         return np.concatenate([self._group_starts[s.group] + s.rows for s in spans])
+
+
+class _Column:
+    """A decoded column of one row group, converted once: numeric values and fixed-size numeric lists as numpy
+    arrays (rows taken by fancy indexing), anything else through pyarrow, row by row."""
+
+    def __init__(self, array: pa.Array):
+        self._values: np.ndarray | None = None
+        self._array = array
+        if array.null_count == 0 and _is_numeric(array.type):
+            self._values = array.to_numpy(zero_copy_only=False)
+        elif pa.types.is_fixed_size_list(array.type) and _is_numeric(array.type.value_type):
+            flat = array.flatten()
+            if array.null_count == 0 and flat.null_count == 0:
+                width = array.type.list_size
+                self._values = flat.to_numpy(zero_copy_only=False).reshape(len(array), width)
+        if self._values is not None:
+            self._values = np.array(self._values)  # writable: torch's collate warns on read-only arrays
+        else:
+            self._read = _column_reader(array)
+
+    def take(self, rows: np.ndarray) -> Sequence[Any]:
+        if self._values is not None:
+            return self._values[rows]
+        return [self._read(int(r)) for r in rows]
 
 
 class StreamingDataset(Dataset):
@@ -112,17 +138,20 @@ class StreamingDataset(Dataset):
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"row {int(ids.max())} out of range for {len(self)} rows")
         groups = np.searchsorted(self._group_starts, ids, side="right") - 1
-        readers = {g: self._row_group(int(g)) for g in np.unique(groups)}
         rows = ids - self._group_starts[groups]
-        out = []
-        for g, r in zip(groups.tolist(), rows.tolist()):
-            item = {name: read(r) for name, read in readers[g].items()}
-            out.append(self.transform(item) if self.transform is not None else item)
+        out: list[Any] = [None] * len(ids)
+        for group in np.unique(groups).tolist():
+            columns = self._row_group(group)
+            where = np.flatnonzero(groups == group)
+            picked = {name: column.take(rows[where]) for name, column in columns.items()}
+            for slot, k in zip(where.tolist(), range(len(where))):
+                item = {name: values[k] for name, values in picked.items()}
+                out[slot] = self.transform(item) if self.transform is not None else item
         return out
 
     # --- row groups: fetched once, ahead of need
 
-    def _row_group(self, group: int) -> dict[str, Callable[[int], Any]]:
+    def _row_group(self, group: int) -> dict[str, _Column]:
         if self._pid != os.getpid():  # forked into a DataLoader worker: open our own handles
             self._reset_process_state()
         with self._lock:
@@ -148,7 +177,7 @@ class StreamingDataset(Dataset):
         for g in [g for g in self._loads if int(self._sequence_index[g]) // self.shuffle_window < window - 1]:
             del self._loads[g]
 
-    def _read(self, group: int) -> dict[str, Callable[[int], Any]]:
+    def _read(self, group: int) -> dict[str, _Column]:
         file_index, row_group = self._groups[group]
         entry = self.manifest.files[file_index]
         fs, root = fsspec_filesystem(self.uri)
@@ -169,7 +198,7 @@ class StreamingDataset(Dataset):
                 f"{self.uri}: {entry.path} changed since the manifest was written; rebuild it with "
                 f"`elastic data index {self.uri}`"
             )
-        return {name: _column_reader(table.column(name).combine_chunks()) for name in table.column_names}
+        return {name: _Column(table.column(name).combine_chunks()) for name in table.column_names}
 
     # --- per-process state, never pickled
 
