@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,8 @@ from elastic.storage import fsspec_filesystem
 
 _log = logging.getLogger(__name__)
 
+READ_RETRIES = 4  # a row group read that fails with a storage error is tried again this many times ...
+READ_BACKOFF_SECONDS = 0.5  # ... after 0.5, 1, 2, 4 s
 DEFAULT_SHUFFLE_WINDOW = 64  # row groups shuffled together (label-sorted data: see block_order's quality)
 
 
@@ -178,19 +181,34 @@ class StreamingDataset(Dataset):
             del self._loads[g]
 
     def _read(self, group: int) -> dict[str, _Column]:
+        """Row group `group`, decoded; a transient storage error (a 503, a reset connection) is retried with
+        backoff, a missing or changed file is one line naming it."""
         file_index, row_group = self._groups[group]
         entry = self.manifest.files[file_index]
+        for attempt in range(READ_RETRIES + 1):
+            try:
+                return self._fetch(entry, row_group)
+            except FileNotFoundError:
+                raise manifests.DatasetError(
+                    f"{self.uri}: {entry.path} is missing; restore it or rebuild the manifest with "
+                    f"`elastic data index {self.uri}`"
+                ) from None
+            except OSError as err:
+                if attempt == READ_RETRIES:
+                    raise
+                delay = READ_BACKOFF_SECONDS * 2**attempt
+                _log.warning(f"reading {entry.path} row group {row_group} failed ({err}); retrying in {delay:g} s")
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _fetch(self, entry: manifests.FileEntry, row_group: int) -> dict[str, _Column]:
         fs, root = fsspec_filesystem(self.uri)
         # Exact ranges: the footer, then the row group's column chunks (pre_buffer coalesces them into few GETs).
         with fs.open(f"{root}/{entry.path}", "rb", cache_type="none") as handle:
             parquet = pq.ParquetFile(handle, pre_buffer=True)
             table = parquet.read_row_group(row_group, columns=self.columns)
-            chunk_bytes = sum(
-                column.total_compressed_size
-                for column in (
-                    parquet.metadata.row_group(row_group).column(i) for i in range(parquet.metadata.num_columns)
-                )
-            )
+            metadata = parquet.metadata.row_group(row_group)
+            chunk_bytes = sum(metadata.column(i).total_compressed_size for i in range(metadata.num_columns))
         with self._lock:
             self.bytes_fetched += chunk_bytes  # the row group's column chunks (footers not counted)
         if table.num_rows != entry.row_groups[row_group]:

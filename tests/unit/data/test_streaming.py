@@ -176,3 +176,24 @@ def test_the_next_window_is_fetched_ahead_and_windows_behind_are_let_go(dataset_
     dataset.__getitems__(order.slice(int(late), int(late) + 1).tolist())
     windows = {int(dataset._sequence_index[g]) // 2 for g in dataset._loads}
     assert min(windows) >= 3  # windows 0-2 are let go
+
+
+def test_a_transient_storage_error_is_retried_and_a_missing_shard_is_one_line(dataset_dir, monkeypatch):
+    from elastic.data import streaming
+
+    monkeypatch.setattr(streaming, "READ_BACKOFF_SECONDS", 0.0)
+    dataset = StreamingDataset(str(dataset_dir), shuffle_window=4)
+    real, failures = dataset._fetch, []
+
+    def flaky(entry, row_group):
+        if len(failures) < 2:
+            failures.append(row_group)
+            raise OSError("503 SlowDown")  # what a fault window of the S3 proxy returns
+        return real(entry, row_group)
+
+    monkeypatch.setattr(dataset, "_fetch", flaky)
+    assert int(dataset[5]["i"]) == 5 and len(failures) == 2
+    (dataset_dir / dataset.manifest.files[-1].path).unlink()
+    fresh = StreamingDataset(str(dataset_dir), shuffle_window=4, verify=False)
+    with pytest.raises(DatasetError, match="is missing; restore it or rebuild the manifest"):
+        fresh[ROWS - 1]
