@@ -4,17 +4,25 @@ bit-exactly needs the random streams to continue exactly too; `elastic verify-re
 they do.
 
 The corpus is the Apache License 2.0 (jobs/data/apache-2.0.txt, 11 KB), so nothing is downloaded at run time.
+With `config.dataset` (jobs/charlm.yaml sets it), the tokenized windows are a dataset in the bucket, written on
+first use and streamed by elastic.data.StreamingDataset; without it they are held in memory.
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
+
+from elastic.data import StreamingDataset
+from elastic.data.manifest import DatasetError, load
+from elastic.data.prepare import prepare
 
 CORPUS = Path(__file__).parent / "data" / "apache-2.0.txt"
 
@@ -55,6 +63,32 @@ class CharTransformer(nn.Module):
         return self.head(self.norm(h))
 
 
+def tokenized_windows(session, data: CharWindows, uri: str) -> StreamingDataset:
+    """The corpus's windows as a dataset in the bucket (a row: the window's length + 1 character codes),
+    written by rank 0 on first use; the other ranks wait for its manifest."""
+    if session.rank == 0:
+        try:
+            load(uri, build=False)
+        except DatasetError:
+            rows = np.stack([_window(data, i) for i in range(len(data))])
+            with tempfile.TemporaryDirectory() as folder:
+                np.save(f"{folder}/windows.npy", rows)
+                prepare(f"{folder}/windows.npy", uri, shard_mb=0.1, row_group_mb=0.01)
+            session.log(f"wrote {len(rows)} tokenized windows to {uri}")
+    session.all_reduce_sum(0.0)  # a barrier: read once rank 0 committed it
+    return StreamingDataset(uri, transform=_split, shuffle_window=8)
+
+
+def _window(data: CharWindows, index: int) -> np.ndarray:
+    start = index * data.stride
+    return data.codes[start : start + data.length + 1].numpy()
+
+
+def _split(row: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    window = torch.as_tensor(row["x"], dtype=torch.long)
+    return window[:-1], window[1:]
+
+
 def warmup_cosine(warmup: int, total: int):
     def factor(step: int) -> float:
         if step < warmup:
@@ -69,8 +103,11 @@ def train(session) -> None:
     cfg = session.config
     torch.manual_seed(cfg.get("seed", 0))
     data = CharWindows(CORPUS.read_text(), cfg.get("length", 64), cfg.get("stride", 16))
+    vocab = len(data.vocab)
+    if cfg.get("dataset"):  # one dataset per window shape: <dataset>-<length>-<stride>
+        data = tokenized_windows(session, data, f"{cfg['dataset']}-{data.length}-{data.stride}")
     model = CharTransformer(
-        len(data.vocab),
+        vocab,
         cfg.get("length", 64),
         cfg.get("width", 64),
         cfg.get("layers", 2),
