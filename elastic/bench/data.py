@@ -13,6 +13,7 @@ former `torch.randperm` order (measured at a size this machine holds; it grows l
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 import tracemalloc
@@ -26,6 +27,7 @@ import torch
 
 from elastic.data import ResumableLoader, ResumableSampler, StreamingDataset
 from elastic.data.block_order import BlockShuffleOrder
+from elastic.data.cache import CACHE_DIR_VARIABLE
 from elastic.data.manifest import DatasetError, load
 from elastic.data.prepare import prepare
 from elastic.storage import fsspec_filesystem, pyarrow_filesystem
@@ -60,10 +62,14 @@ def generated_dataset(uri: str, rows: int, row_bytes: int, row_group_mb: float) 
 
 
 def bench_data(uri: str, ranks: int = 2, batch_size: int = 256, shuffle_window: int = 16) -> dict:
+    """The ranks are taken to share one node: with the node cache (a fresh one, in a temp dir) they fetch
+    each row group once between them; `read_amplification_uncached` is each rank fetching its own."""
     manifest = load(uri)
     dataset_bytes = manifest.bytes
     sequential = _stream(uri, ranks, batch_size, shuffle_window, shuffle=False)
-    shuffled = _stream(uri, ranks, batch_size, shuffle_window, shuffle=True)
+    uncached = _stream(uri, ranks, batch_size, shuffle_window, shuffle=True)
+    with tempfile.TemporaryDirectory() as cache:
+        shuffled = _stream(uri, ranks, batch_size, shuffle_window, shuffle=True, cache=cache)
     raw_seconds = _raw_get_seconds(uri, [f.path for f in manifest.files])
     started = time.perf_counter()
     arrow_fs, root = pyarrow_filesystem(uri)
@@ -85,17 +91,28 @@ def bench_data(uri: str, ranks: int = 2, batch_size: int = 256, shuffle_window: 
         "shuffled_mb_per_s": round(shuffled_mb_s, 1),
         "shuffled_vs_raw": round(shuffled_mb_s / raw_mb_s, 3),
         "shuffled_vs_sequential": round(sequential["seconds"] / shuffled["seconds"], 3),
+        "shuffled_uncached_rows_per_s": round(manifest.rows / uncached["seconds"]),
         "read_amplification": round(shuffled["fetched"] / dataset_bytes, 3),
-        "rows_each_once": shuffled["exactly_once"] and sequential["exactly_once"],
+        "read_amplification_uncached": round(uncached["fetched"] / dataset_bytes, 3),
+        "rows_each_once": shuffled["exactly_once"] and sequential["exactly_once"] and uncached["exactly_once"],
     }
 
 
-def _stream(uri: str, ranks: int, batch_size: int, window: int, shuffle: bool) -> dict:
+def _stream(uri: str, ranks: int, batch_size: int, window: int, shuffle: bool, cache: str | None = None) -> dict:
     """An epoch read by `ranks` ranks (one after the other, each with its own dataset, as separate processes
     would): seconds summed over ranks (what one process per rank would take in parallel, times the ranks)."""
     seconds, fetched, seen = 0.0, 0, []
+    saved = os.environ.get(CACHE_DIR_VARIABLE)
+    if cache is not None:
+        os.environ[CACHE_DIR_VARIABLE] = cache
     for rank in range(ranks):
-        dataset = StreamingDataset(uri, columns=["id", "payload"], shuffle_window=window, verify=False)
+        dataset = StreamingDataset(
+            uri,
+            columns=["id", "payload"],
+            shuffle_window=window,
+            verify=False,
+            cache_limit="64GB" if cache is not None else None,
+        )
         sampler = ResumableSampler(len(dataset), batch_size, rank, ranks, shuffle=shuffle, order_source=dataset)
         loader = ResumableLoader(dataset, sampler, collate_fn=_ids)
         started = time.perf_counter()
@@ -103,6 +120,10 @@ def _stream(uri: str, ranks: int, batch_size: int, window: int, shuffle: bool) -
             seen.append(ids)
         seconds += time.perf_counter() - started
         fetched += dataset.bytes_fetched
+    if saved is None:
+        os.environ.pop(CACHE_DIR_VARIABLE, None)
+    else:
+        os.environ[CACHE_DIR_VARIABLE] = saved
     ids = np.concatenate(seen) if seen else np.empty(0)
     return {
         "seconds": seconds / ranks,  # ranks read in parallel on a cluster: the time of one rank

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 
 from elastic.data import manifest as manifests
 from elastic.data.block_order import BlockShuffleOrder
+from elastic.data.cache import RowGroupCache, parse_size
 from elastic.data.parquet import _column_reader, _is_numeric
 from elastic.storage import fsspec_filesystem
 
@@ -81,7 +82,9 @@ class _Column:
 class StreamingDataset(Dataset):
     """Rows of a dataset in a bucket. `columns` picks columns; `transform(row_dict)` maps each row; the shuffle
     mixes rows of `shuffle_window` row groups; `prefetch` windows are fetched ahead with `io_threads` GETs in
-    flight. `verify` checks every file's size and ETag against the manifest up front."""
+    flight. `verify` checks every file's size and ETag against the manifest up front. `cache_limit` (bytes or
+    "20GB") turns on the node-local disk cache of decoded row groups (elastic.data.cache, under
+    $ELASTIC_DATA_CACHE): the ranks of a node then fetch each row group once between them."""
 
     def __init__(
         self,
@@ -92,6 +95,7 @@ class StreamingDataset(Dataset):
         prefetch: int = 1,
         io_threads: int = 8,
         verify: bool = True,
+        cache_limit: int | str | None = None,
     ):
         self.uri = uri.rstrip("/")
         self.manifest = manifests.load(self.uri)
@@ -106,6 +110,7 @@ class StreamingDataset(Dataset):
         self.shuffle_window = shuffle_window
         self.prefetch = max(0, prefetch)
         self.io_threads = max(1, io_threads)
+        self.cache_limit = parse_size(cache_limit) if cache_limit is not None else None
         # Row group g (dataset order): its file, its index in the file, and its first global row.
         self._groups = [(f, i) for f, entry in enumerate(self.manifest.files) for i in range(len(entry.row_groups))]
         counts = np.asarray(self.manifest.row_group_rows(), dtype=np.int64)
@@ -187,7 +192,7 @@ class StreamingDataset(Dataset):
         entry = self.manifest.files[file_index]
         for attempt in range(READ_RETRIES + 1):
             try:
-                return self._fetch(entry, row_group)
+                return self._fetch(file_index, row_group)
             except FileNotFoundError:
                 raise manifests.DatasetError(
                     f"{self.uri}: {entry.path} is missing; restore it or rebuild the manifest with "
@@ -201,7 +206,16 @@ class StreamingDataset(Dataset):
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
-    def _fetch(self, entry: manifests.FileEntry, row_group: int) -> dict[str, _Column]:
+    def _fetch(self, file_index: int, row_group: int) -> dict[str, _Column]:
+        entry = self.manifest.files[file_index]
+        if self._cache is None:
+            table = self._fetch_table(entry, row_group)
+        else:
+            key = f"{file_index}-{row_group}-{'.'.join(self.columns or ['all'])}"
+            table = self._cache.get(key, lambda: self._fetch_table(entry, row_group))
+        return {name: _Column(table.column(name).combine_chunks()) for name in table.column_names}
+
+    def _fetch_table(self, entry: manifests.FileEntry, row_group: int) -> pa.Table:
         fs, root = fsspec_filesystem(self.uri)
         # Exact ranges: the footer, then the row group's column chunks (pre_buffer coalesces them into few GETs).
         with fs.open(f"{root}/{entry.path}", "rb", cache_type="none") as handle:
@@ -216,7 +230,7 @@ class StreamingDataset(Dataset):
                 f"{self.uri}: {entry.path} changed since the manifest was written; rebuild it with "
                 f"`elastic data index {self.uri}`"
             )
-        return {name: _Column(table.column(name).combine_chunks()) for name in table.column_names}
+        return table
 
     # --- per-process state, never pickled
 
@@ -224,6 +238,9 @@ class StreamingDataset(Dataset):
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self.bytes_fetched = 0  # column-chunk bytes read from storage by this process (the benchmark's measure)
+        self._cache = (
+            RowGroupCache(self.manifest.fingerprint, self.cache_limit) if self.cache_limit is not None else None
+        )
         self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="elastic-data")
         self._loads: OrderedDict[int, Future] = OrderedDict()
         self._order: BlockShuffleOrder | None = None
@@ -231,7 +248,7 @@ class StreamingDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_pid", "_lock", "_pool", "_loads", "_order", "_sequence_index", "bytes_fetched"):
+        for key in ("_pid", "_lock", "_pool", "_loads", "_order", "_sequence_index", "bytes_fetched", "_cache"):
             state.pop(key, None)
         return state
 

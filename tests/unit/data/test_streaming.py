@@ -185,11 +185,11 @@ def test_a_transient_storage_error_is_retried_and_a_missing_shard_is_one_line(da
     dataset = StreamingDataset(str(dataset_dir), shuffle_window=4)
     real, failures = dataset._fetch, []
 
-    def flaky(entry, row_group):
+    def flaky(file_index, row_group):
         if len(failures) < 2:
             failures.append(row_group)
             raise OSError("503 SlowDown")  # what a fault window of the S3 proxy returns
-        return real(entry, row_group)
+        return real(file_index, row_group)
 
     monkeypatch.setattr(dataset, "_fetch", flaky)
     assert int(dataset[5]["i"]) == 5 and len(failures) == 2
@@ -197,3 +197,22 @@ def test_a_transient_storage_error_is_retried_and_a_missing_shard_is_one_line(da
     fresh = StreamingDataset(str(dataset_dir), shuffle_window=4, verify=False)
     with pytest.raises(DatasetError, match="is missing; restore it or rebuild the manifest"):
         fresh[ROWS - 1]
+
+
+def test_the_ranks_of_a_node_fetch_each_row_group_once_through_the_disk_cache(dataset_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTIC_DATA_CACHE", str(tmp_path / "cache"))
+    ranks = [StreamingDataset(str(dataset_dir), shuffle_window=4, cache_limit="1GB") for _ in range(2)]
+    seen = []
+    for rank, dataset in enumerate(ranks):
+        sampler = ResumableSampler(len(dataset), 64, rank, 2, order_source=dataset)
+        for batch in ResumableLoader(dataset, sampler):
+            seen += [int(i) for i in batch["i"]]
+    assert sorted(seen) == list(range(ROWS))
+    groups = load(str(dataset_dir)).num_row_groups
+    assert ranks[0]._cache.misses == groups and ranks[1]._cache.misses == 0  # rank 1 read rank 0's files
+    assert ranks[1]._cache.hits == groups and ranks[1].bytes_fetched == 0
+    # A limit smaller than the data keeps the cache within it (least recently used out first).
+    small = StreamingDataset(str(dataset_dir), shuffle_window=4, cache_limit=20_000)
+    small.__getitems__(list(range(0, ROWS, 7)))
+    held = sum(p.stat().st_size for p in small._cache.folder.glob("*.arrow"))
+    assert 0 < held <= 20_000 + max(p.stat().st_size for p in small._cache.folder.glob("*.arrow"))
