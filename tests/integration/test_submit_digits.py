@@ -323,10 +323,23 @@ def run_watching_prometheus(cli, prometheus, run: str, args: list[str]) -> tuple
 EQUIVALENCE_RUN = ["--set", "config.epochs=2", "--set", "checkpoint.every_steps=10", "--follow"]
 
 
+# 46 steps with checkpoints at 23 and 46: the final step's save is a periodic one, still reporting at finish().
+EVERY_23 = ["--set", "config.epochs=2", "--set", "checkpoint.every_steps=23", "--follow"]
+CHAOS = "runtime_env.env_vars.ELASTIC_CHAOS"
+
+
 @pytest.fixture(scope="module")
 def clean_run(stack, stack_env) -> dict:
-    """The equivalence run trained without a fault: its final state (step 46), what faulted runs must equal."""
-    stack["cli"].run("submit", "jobs/digits_ddp.yaml", "--suffix", "eq-clean", *EQUIVALENCE_RUN, check=True)
+    """The equivalence run trained without a fault: its final state (step 46), what faulted runs must equal
+    (checkpoints change no weights). It also settles the final-report race one way round: its last step is a
+    periodic checkpoint and rank 0 settles the final report 3 s after rank 1, whose report of that checkpoint
+    may still be pending while rank 0's has long been sent; it must end, not hang."""
+    clean = stack["cli"].run(
+        "submit", "jobs/digits_ddp.yaml", "--suffix", "eq-clean", *EVERY_23, "--set", f"{CHAOS}_FINISH_DELAY=0:3",
+        timeout=420, check=True,
+    )  # fmt: skip
+    assert "chaos: rank 0 waits 3 s before settling the final report" in clean.stdout
+    assert "made no step progress" not in clean.stdout  # ended, not caught hanging by the watchdog and restarted
     return load_final_state(stack_env, f"s3://{stack['bucket']}/runs/digits-ddp-eq-clean", 46)
 
 
@@ -431,29 +444,20 @@ def test_worker_kills_resume_to_bit_identical_weights(stack, stack_env, promethe
     assert max(tb_steps) == 45 and {40, 45} <= tb_steps
 
 
-def test_final_report_races_end_cleanly_and_a_hung_rank_is_restarted_to_identical_weights(stack, stack_env, clean_run):
-    """The run's last step is a periodic checkpoint, and one rank settles the final report 3 s after the other
-    (its reporter has long sent that checkpoint's report while the other's may still be pending): the run ends
-    either way round. And a rank that hangs (alive, no progress) is caught by the hang watchdog: both ranks'
-    stacks in the job's log and the run folder, the attempt restarted from the last checkpoint, the final
-    weights bit-identical to the run that never failed, the hang its own badput cause in the report."""
+def test_a_hung_rank_is_restarted_to_identical_weights_and_the_final_report_race_ends_either_way(
+    stack, stack_env, clean_run
+):
+    """A rank that hangs (alive, no progress) is caught by the hang watchdog: both ranks' stacks in the job's
+    log and the run folder, the attempt restarted from the last checkpoint, the final weights bit-identical to
+    the run that never failed, the hang its own badput cause in the report. The run ends with the final-report
+    race the other way round from the clean run's (rank 1 late), and ends."""
     import torch
 
     cli = stack["cli"]
-    # 46 steps, checkpoints at 23 and 46: the final step's save is a periodic one, still reporting at finish().
-    every_23 = ["--set", "config.epochs=2", "--set", "checkpoint.every_steps=23", "--follow"]
-    chaos = "runtime_env.env_vars.ELASTIC_CHAOS"
-    race = cli.run(
-        "submit", "jobs/digits_ddp.yaml", "--suffix", "race", *every_23, "--set", f"{chaos}_FINISH_DELAY=0:3",
-        timeout=420, check=True,
-    )  # fmt: skip
-    assert "chaos: rank 0 waits 3 s before settling the final report" in race.stdout
-    assert "made no step progress" not in race.stdout  # ended, not caught hanging by the watchdog and restarted
-
     hung = cli.run(
-        "submit", "jobs/digits_ddp.yaml", "--suffix", "hang", *every_23,
+        "submit", "jobs/digits_ddp.yaml", "--suffix", "hang", *EVERY_23,
         "--set", "failure.hang_timeout_seconds=15",
-        "--set", f"{chaos}_KILL_AT=25:1:hang", "--set", f"{chaos}_FINISH_DELAY=1:3",
+        "--set", f"{CHAOS}_KILL_AT=25:1:hang", "--set", f"{CHAOS}_FINISH_DELAY=1:3",
         timeout=600, check=True,
     )  # fmt: skip
     log = hung.stdout
