@@ -84,7 +84,11 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         assert status["running"] and all(status["processes"].values())
 
         # Whole-cluster loss, part 1: a run is partway (two checkpoints committed) when the stack goes down.
-        cut = Submission(cli, "--suffix", "loss", *LOSS_JOB)
+        # Paced (0.1 s after each step, which changes no numbers): the cut lands mid-run however late the log
+        # line reaches this test on a loaded machine (unpaced, the 230 steps were once all done before `down`).
+        cut = Submission(
+            cli, "--suffix", "loss", *LOSS_JOB, "--set", "runtime_env.env_vars.ELASTIC_CHAOS_STEP_SECONDS=0.1"
+        )
         cut.wait_for("checkpoint at step 20 committed")
         down = cli.run("local", "down", check=True, timeout=120)
         assert "local stack stopped" in down.stdout
