@@ -50,8 +50,10 @@ lint: install
 	promtool check rules deploy/prometheus/elastic-alerts.yml
 	promtool test rules deploy/prometheus/elastic-alerts.test.yml
 
+# Two pytest-xdist workers: the integration tests as one serial group on one (tests/conftest.py), the unit
+# tests beside them; the log ends with the 25 slowest tests and the total time.
 test: lint
-	$(BIN)/python -m pytest tests --durations=25
+	$(BIN)/python -m pytest tests -n 2 --dist loadgroup --durations=25
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit

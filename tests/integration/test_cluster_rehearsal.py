@@ -27,6 +27,9 @@ def rehearsal_processes() -> list[int]:
     return found
 
 
+pytestmark = pytest.mark.integration
+
+
 @pytest.mark.parametrize("config", ["aws-spot-gpu.yaml", "gcp-spot-gpu.yaml"])
 def test_a_cluster_config_boots_trains_and_survives_a_reclaim(config, tmp_path):
     cli = make_cli(tmp_path / "home")
