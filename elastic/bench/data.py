@@ -13,7 +13,6 @@ former `torch.randperm` order (measured at a size this machine holds; it grows l
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 import time
 import tracemalloc
@@ -30,6 +29,7 @@ from elastic.data.block_order import BlockShuffleOrder
 from elastic.data.cache import CACHE_DIR_VARIABLE
 from elastic.data.manifest import DatasetError, load
 from elastic.data.prepare import prepare
+from elastic.environment import overridden
 from elastic.storage import fsspec_filesystem, pyarrow_filesystem
 
 _log = logging.getLogger(__name__)
@@ -102,28 +102,22 @@ def _stream(uri: str, ranks: int, batch_size: int, window: int, shuffle: bool, c
     """An epoch read by `ranks` ranks (one after the other, each with its own dataset, as separate processes
     would): seconds summed over ranks (what one process per rank would take in parallel, times the ranks)."""
     seconds, fetched, seen = 0.0, 0, []
-    saved = os.environ.get(CACHE_DIR_VARIABLE)
-    if cache is not None:
-        os.environ[CACHE_DIR_VARIABLE] = cache
-    for rank in range(ranks):
-        dataset = StreamingDataset(
-            uri,
-            columns=["id", "payload"],
-            shuffle_window=window,
-            verify=False,
-            cache_limit="64GB" if cache is not None else None,
-        )
-        sampler = ResumableSampler(len(dataset), batch_size, rank, ranks, shuffle=shuffle, order_source=dataset)
-        loader = ResumableLoader(dataset, sampler, collate_fn=_ids)
-        started = time.perf_counter()
-        for ids in loader:
-            seen.append(ids)
-        seconds += time.perf_counter() - started
-        fetched += dataset.bytes_fetched
-    if saved is None:
-        os.environ.pop(CACHE_DIR_VARIABLE, None)
-    else:
-        os.environ[CACHE_DIR_VARIABLE] = saved
+    with overridden({CACHE_DIR_VARIABLE: cache} if cache is not None else {}):
+        for rank in range(ranks):
+            dataset = StreamingDataset(
+                uri,
+                columns=["id", "payload"],
+                shuffle_window=window,
+                verify=False,
+                cache_limit="64GB" if cache is not None else None,
+            )
+            sampler = ResumableSampler(len(dataset), batch_size, rank, ranks, shuffle=shuffle, order_source=dataset)
+            loader = ResumableLoader(dataset, sampler, collate_fn=_ids)
+            started = time.perf_counter()
+            for ids in loader:
+                seen.append(ids)
+            seconds += time.perf_counter() - started
+            fetched += dataset.bytes_fetched
     ids = np.concatenate(seen) if seen else np.empty(0)
     return {
         "seconds": seconds / ranks,  # ranks read in parallel on a cluster: the time of one rank

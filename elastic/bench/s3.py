@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from elastic.environment import overridden
 from elastic.local import s3servers
 from elastic.local.stack import LOCAL_AWS_KEY, free_port
 from elastic.storage import pyarrow_filesystem
@@ -128,20 +129,13 @@ def _timed_transfer(server: _Server, action, objects: int, threads: int) -> tupl
 
 
 def _pyarrow_round_trip(endpoint: str) -> bool:
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=LOCAL_AWS_KEY, AWS_SECRET_ACCESS_KEY=LOCAL_AWS_KEY)
-    try:
+    keys = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": LOCAL_AWS_KEY, "AWS_SECRET_ACCESS_KEY": LOCAL_AWS_KEY}
+    with overridden(keys):
         fs, root = pyarrow_filesystem(f"s3://{BUCKET}/pyarrow")
         with fs.open_output_stream(f"{root}/probe.bin") as out:
             out.write(b"elastic" * 1000)
         with fs.open_input_stream(f"{root}/probe.bin") as src:
             return src.read() == b"elastic" * 1000
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def measure(name: str, size_mb: float, objects: int, threads: int, folder: Path) -> ServerFigures:

@@ -7,15 +7,13 @@ raylet runs but that never shows up in the cluster (with what was seen of it and
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
+from elastic.environment import overridden
 from elastic.errors import ClusterError
 from elastic.local.state import LocalState, NodePlan, home_dir
 from elastic.placement.labels import NODE_NAME_LABEL
@@ -67,21 +65,10 @@ def wait_for_job_api(state: LocalState, timeout: float) -> None:
     )
 
 
-@contextmanager
-def ray_clients_at(state: LocalState) -> Iterator[None]:
+def ray_clients_at(state: LocalState):
     """Ray's state API and job client take RAY_API_SERVER_ADDRESS, then RAY_ADDRESS, over the address they are
     given: while this process polls the stack, both name this stack, whatever the shell exported."""
-    names = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
-    saved = {k: os.environ.get(k) for k in names}
-    os.environ.update({"RAY_ADDRESS": state.ray_address, "RAY_API_SERVER_ADDRESS": state.dashboard_url})
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return overridden({"RAY_ADDRESS": state.ray_address, "RAY_API_SERVER_ADDRESS": state.dashboard_url})
 
 
 def wait_for_nodes(state: LocalState, plan: list[NodePlan], timeout: float) -> list[dict]:
