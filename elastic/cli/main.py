@@ -32,6 +32,7 @@ from elastic.driver.auth import auth_failure
 from elastic.errors import ElasticError, JobFailed, UserError
 from elastic.local import exports
 from elastic.local import state as local_state
+from elastic.local.processes import MARKER_VARIABLE
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -57,9 +58,11 @@ def cli(verbose: bool, quiet: bool) -> None:
     logs.configure(level)
     # Exports of a local stack that is gone (a `down` and a new `up` since this shell's eval) would send the verb
     # to dead ports: dropped, with a warning. `local` verbs go by the stack's state file (`local up` warns itself).
-    if click.get_current_context().invoked_subcommand != "local":
+    # Not inside the stack's own processes (its watchers start while `up` is still running) and not for the
+    # stack in the state file, complete or not: only exports of another stack are stale.
+    if click.get_current_context().invoked_subcommand != "local" and MARKER_VARIABLE not in os.environ:
         exports.forget_stale(
-            local_state.running_state(),
+            local_state.load_state(),
             'run eval "$(elastic local env)" again, or eval "$(elastic local env --unset)"',
             warn=lambda line: click.echo(f"warning: {line}", err=True),
         )
