@@ -22,6 +22,9 @@ from elastic.checkpoint.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
+LOAD_ATTEMPTS = 2  # reads of one checkpoint before a restore falls back to the one before it
+LOAD_RETRY_SECONDS = 2.0
+
 
 @dataclass
 class SaveResult:
@@ -221,17 +224,26 @@ class ShardedCheckpointer:
         fails it on every rank alike. Raises the last error when none can be read."""
         newest_first = sorted(steps, reverse=True)
         for index, step in enumerate(newest_first):
-            try:
-                return step, self.load(step, template())
-            except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-                if index + 1 == len(newest_first):
-                    raise
-                log.warning(
-                    "restore: checkpoint at step %d cannot be read (%s); falling back to the one before it, step %d",
-                    step,
-                    _describe_failure(err),
-                    newest_first[index + 1],
-                )
+            for attempt in range(1, LOAD_ATTEMPTS + 1):
+                try:
+                    return step, self.load(step, template())
+                except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+                    failure = _describe_failure(err)
+                    if attempt < LOAD_ATTEMPTS:
+                        # A fall back retires this checkpoint for good: a passing fault (a slow or restarting
+                        # store) must not cost the run its newest progress, so read it once more first.
+                        log.warning("restore: checkpoint at step %d: %s; reading it once more", step, failure)
+                        time.sleep(LOAD_RETRY_SECONDS)
+                        continue
+                    if index + 1 == len(newest_first):
+                        raise
+                    log.warning(
+                        "restore: checkpoint at step %d cannot be read (%s); falling back to the one before it, "
+                        "step %d",
+                        step,
+                        failure,
+                        newest_first[index + 1],
+                    )
         raise ValueError("load_newest needs at least one step")
 
     def load(self, step: int, state: dict[str, Any]) -> dict[str, Any]:

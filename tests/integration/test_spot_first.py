@@ -89,6 +89,23 @@ def wait_for_end(jobs, job_id: str, timeout: float) -> str:
     raise AssertionError(f"job {job_id} did not end within {timeout:.0f} s")
 
 
+def wait_for_idle_workers(stack, timeout: float = 120) -> None:
+    """Until no Ray Train worker of an earlier job is alive: a job's end (`--follow` returning) comes a little
+    before its worker actors release their CPUs, and the next test's spot-first choice counts free CPUs."""
+    from ray.util.state import list_actors, list_placement_groups
+
+    address = stack["dashboard_url"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = list_actors(address=address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+        groups = list_placement_groups(address=address, raise_on_missing_output=False)
+        workers = [a for a in alive if "RayTrainWorker" in (a.class_name or "")]
+        if not workers and all(g.state == "REMOVED" for g in groups):
+            return
+        time.sleep(1)
+    raise AssertionError(f"Ray Train workers of an earlier job still alive after {timeout:.0f} s")
+
+
 def elastic_lines(logs: str) -> str:
     return "\n".join(line for line in logs.splitlines() if "[elastic]" in line or "FailurePolicy" in line)
 
@@ -206,6 +223,7 @@ def test_spot_first_after_every_spot_node_is_reclaimed_falls_back_and_swaps_back
 
     cli, run = stack["cli"], "digits-ddp-reclaimed"
     jobs = jobs_client(stack, monkeypatch)
+    wait_for_idle_workers(stack)  # spot-0 was the straight run's: its 2 CPUs must be free for "spot at once"
     submitted = cli.run(
         "submit",
         "jobs/digits_ddp.yaml",

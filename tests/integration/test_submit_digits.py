@@ -179,7 +179,8 @@ def test_resubmitting_the_same_job_resumes_its_run(stack, stack_env):
     proc = cli.run(
         "submit", "jobs/digits_ddp.yaml", "--suffix", RUN_SUFFIX, "--set", "config.epochs=4", "--follow", check=True
     )
-    assert "resumed from checkpoint at step 69" in proc.stdout
+    trace = "\n".join(line for line in proc.stdout.splitlines() if "[elastic]" in line or "restore" in line)
+    assert "resumed from checkpoint at step 69" in proc.stdout, trace
     result = summary(stack_env, stack["bucket"], RUN_NAME)
     assert result["metrics"]["step"] == 92  # one more epoch of 23 steps, not four from scratch
 

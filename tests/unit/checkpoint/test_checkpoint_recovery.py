@@ -69,7 +69,8 @@ def template() -> dict:
 
 
 @pytest.fixture
-def saved(tmp_path) -> tuple[CheckpointStore, ShardedCheckpointer]:
+def saved(tmp_path, monkeypatch) -> tuple[CheckpointStore, ShardedCheckpointer]:
+    monkeypatch.setattr("elastic.checkpoint.checkpointer.LOAD_RETRY_SECONDS", 0.0)
     store = CheckpointStore(str(tmp_path / "run"))
     checkpointer = ShardedCheckpointer(store, rank=0, world_size=1)
     for step, value in ((10, 1.0), (20, 2.0), (30, 3.0)):
@@ -99,6 +100,26 @@ def test_a_restore_falls_back_past_unreadable_checkpoints_with_a_log_line(saved,
         and "falling back to the one before it, step 20" in caplog.text
     )
     assert "step 20 cannot be read" in caplog.text and "step 10" in caplog.text
+
+
+def test_a_passing_read_fault_is_read_again_not_fallen_back_from(saved, caplog, monkeypatch):
+    """A fall back retires the newer checkpoint for good, so one failed read (a store restarting) is not enough."""
+    _, checkpointer = saved
+    real_load, failures = checkpointer.load, []
+
+    def flaky_load(step, state):
+        if step == 30 and not failures:
+            failures.append(step)
+            raise OSError("connection reset by peer")
+        return real_load(step, state)
+
+    monkeypatch.setattr(checkpointer, "load", flaky_load)
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.checkpointer"):
+        step, loaded = checkpointer.load_newest([10, 20, 30], template)
+    assert failures == [30] and step == 30
+    assert torch.equal(loaded["model"]["w"], state(3.0)["model"]["w"])
+    assert "step 30: OSError: connection reset by peer; reading it once more" in caplog.text
+    assert "falling back" not in caplog.text
 
 
 def test_a_restore_that_can_read_nothing_raises_the_last_error(saved):
