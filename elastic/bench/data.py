@@ -3,7 +3,9 @@
 Streamed: StreamingDataset through the session's sampler and loader (the path a job takes), one process per
 simulated rank in turn, in storage order (`sequential`) and in the block-shuffled order (`shuffled`); the
 floor: the same files fetched whole with parallel GETs (`raw_get_mb_per_s`) and scanned by pyarrow. Read
-amplification: column-chunk bytes fetched by all ranks over the bytes of the rows they trained.
+amplification: column-chunk bytes fetched by all ranks over the bytes of the rows they trained. Quality: how
+well the order mixes a label-sorted store of the same layout. Training (elastic.bench.data_training): a small
+DDP loop fed from the bucket over the same loop fed from memory.
 
 Synthetic (`synthetic_rows`): the order alone, on a manifest of that many rows and no data: the memory the
 epoch order holds and the time to a first batch at the start and deep into an epoch, beside the sampler's
@@ -24,11 +26,13 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import torch
 
+from elastic.bench.data_training import bench_training
 from elastic.data import ResumableLoader, ResumableSampler, StreamingDataset
 from elastic.data.block_order import BlockShuffleOrder
 from elastic.data.cache import CACHE_DIR_VARIABLE
 from elastic.data.manifest import DatasetError, load
 from elastic.data.prepare import prepare
+from elastic.data.streaming import DEFAULT_SHUFFLE_WINDOW
 from elastic.environment import overridden
 from elastic.storage import fsspec_filesystem, pyarrow_filesystem
 
@@ -61,7 +65,7 @@ def generated_dataset(uri: str, rows: int, row_bytes: int, row_group_mb: float) 
     return uri
 
 
-def bench_data(uri: str, ranks: int = 2, batch_size: int = 256, shuffle_window: int = 16) -> dict:
+def bench_data(uri: str, ranks: int = 2, batch_size: int = 256, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW) -> dict:
     """The ranks are taken to share one node: with the node cache (a fresh one, in a temp dir) they fetch
     each row group once between them; `read_amplification_uncached` is each rank fetching its own."""
     manifest = load(uri)
@@ -95,7 +99,45 @@ def bench_data(uri: str, ranks: int = 2, batch_size: int = 256, shuffle_window: 
         "read_amplification": round(shuffled["fetched"] / dataset_bytes, 3),
         "read_amplification_uncached": round(uncached["fetched"] / dataset_bytes, 3),
         "rows_each_once": shuffled["exactly_once"] and sequential["exactly_once"] and uncached["exactly_once"],
+        **order_quality(manifest.row_group_rows(), shuffle_window, batch_size * ranks),
+        **bench_training(uri, ranks=ranks, batch_size=batch_size),
     }
+
+
+def order_quality(
+    row_counts, window: int, global_batch: int, classes: int = 10, batches: int = 400, seed: int = 0
+) -> dict:
+    """How well the block shuffle mixes the hardest store: every row group's rows labelled in storage order
+    with `classes` labels, sorted (so a row group holds one or two labels). The label entropy of each global
+    batch of the epoch order, over that of batches drawn from a full random permutation of the same labels:
+    `quality` is the mean's ratio, `quality_worst` the lowest batch's (up to `batches` batches, spread over
+    the epoch)."""
+    counts = np.asarray(row_counts, dtype=np.int64)
+    rows = int(counts.sum())
+    label_of = np.minimum(np.arange(rows, dtype=np.int64) * classes // max(rows, 1), classes - 1)
+    group_starts = np.concatenate([[0], np.cumsum(counts)])
+    order = BlockShuffleOrder(counts, seed=seed, epoch=0, window=window)
+    total = rows // global_batch
+    picks = np.unique(np.linspace(0, total - 1, num=min(batches, total)).astype(np.int64))
+    ours = []
+    for b in picks.tolist():
+        groups, within = order.locate(b * global_batch, (b + 1) * global_batch)
+        ours.append(_entropy(label_of[group_starts[groups] + within], classes))
+    rng = np.random.default_rng(seed)
+    random = [_entropy(rng.choice(label_of, size=global_batch, replace=False), classes) for _ in range(len(picks))]
+    reference = float(np.mean(random))
+    return {
+        "quality": round(float(np.mean(ours)) / reference, 3),
+        "quality_worst": round(float(np.min(ours)) / reference, 3) + 0.0,  # + 0.0: never "-0.0"
+        "quality_window": window,
+        "quality_batches": len(picks),
+    }
+
+
+def _entropy(labels: np.ndarray, classes: int) -> float:
+    p = np.bincount(labels, minlength=classes) / max(len(labels), 1)
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())
 
 
 def _stream(uri: str, ranks: int, batch_size: int, window: int, shuffle: bool, cache: str | None = None) -> dict:
@@ -112,10 +154,10 @@ def _stream(uri: str, ranks: int, batch_size: int, window: int, shuffle: bool, c
                 cache_limit="64GB" if cache is not None else None,
             )
             sampler = ResumableSampler(len(dataset), batch_size, rank, ranks, shuffle=shuffle, order_source=dataset)
-            loader = ResumableLoader(dataset, sampler, collate_fn=_ids)
+            loader = ResumableLoader(dataset, sampler)  # default collation, as a job's loader has
             started = time.perf_counter()
-            for ids in loader:
-                seen.append(ids)
+            for batch in loader:
+                seen.append(batch["id"].numpy())
             seconds += time.perf_counter() - started
             fetched += dataset.bytes_fetched
     ids = np.concatenate(seen) if seen else np.empty(0)
@@ -124,10 +166,6 @@ def _stream(uri: str, ranks: int, batch_size: int, window: int, shuffle: bool, c
         "fetched": fetched,
         "exactly_once": len(ids) == len(np.unique(ids)) == load(uri).rows,
     }
-
-
-def _ids(rows: list[dict]) -> np.ndarray:
-    return np.fromiter((row["id"] for row in rows), dtype=np.int64, count=len(rows))
 
 
 def _raw_get_seconds(uri: str, paths: list[str], threads: int = 8) -> float:

@@ -58,24 +58,43 @@ class BlockShuffleOrder:
         return self.group_sequence.nbytes + self.starts.nbytes
 
     def windows(self) -> int:
-        return -(-self.num_groups // self.window)
+        """Windows of `window` row groups; the remainder joins the last one (a window of a few groups at
+        the epoch's end would mix few labels), so the last has between `window` and 2 * `window` - 1."""
+        return max(1, self.num_groups // self.window)
+
+    def window_of_sequence_index(self, j: int) -> int:
+        """The window of the j-th row group of the sequence."""
+        return min(j // self.window, self.windows() - 1)
 
     def window_of(self, position: int) -> int:
-        return int(np.searchsorted(self.starts, position, side="right") - 1) // self.window
+        return self.window_of_sequence_index(int(np.searchsorted(self.starts, position, side="right") - 1))
+
+    def window_bounds(self, window: int) -> tuple[int, int]:
+        """Sequence indices first..last-1 of the row groups of `window`."""
+        first = window * self.window
+        last = self.num_groups if window == self.windows() - 1 else min(first + self.window, self.num_groups)
+        return first, last
 
     def window_groups(self, window: int) -> np.ndarray:
         """The row groups of `window`, in sequence order: what a reader fetches for it."""
-        return self.group_sequence[window * self.window : (window + 1) * self.window]
+        first, last = self.window_bounds(window)
+        return self.group_sequence[first:last]
 
     def rows(self, start: int, stop: int) -> list[RowSpan]:
         """The rows at positions start..stop-1, as runs of one row group each, in training order."""
+        groups, rows = self.locate(start, stop)
+        cut = np.flatnonzero(np.diff(groups)) + 1  # a shuffled window alternates groups row by row
+        return [RowSpan(int(g[0]), r) for g, r in zip(np.split(groups, cut), np.split(rows, cut)) if len(g)]
+
+    def locate(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(row group, row within it) of positions start..stop-1, in training order: two int64 arrays."""
         if not 0 <= start <= stop <= self.num_rows:
             raise IndexError(f"positions {start}..{stop} outside an epoch of {self.num_rows} rows")
-        spans: list[RowSpan] = []
+        all_groups, all_rows = [], []
         position = start
         while position < stop:
             window = self.window_of(position)
-            first, last = window * self.window, min((window + 1) * self.window, self.num_groups)
+            first, last = self.window_bounds(window)
             window_start, window_stop = int(self.starts[first]), int(self.starts[last])
             end = min(stop, window_stop)
             offsets = np.arange(position - window_start, end - window_start, dtype=np.int64)
@@ -85,14 +104,12 @@ class BlockShuffleOrder:
             # Offsets within the window -> (j-th group of the sequence, row within that group).
             local_starts = self.starts[first : last + 1] - window_start
             j = np.searchsorted(local_starts, offsets, side="right") - 1
-            rows = offsets - local_starts[j]
-            groups = self.group_sequence[first + j]
-            # Runs of one group (a shuffled window alternates groups row by row; an unshuffled one does not).
-            cut = np.flatnonzero(np.diff(groups)) + 1
-            for g, r in zip(np.split(groups, cut), np.split(rows, cut)):
-                spans.append(RowSpan(int(g[0]), r))
+            all_rows.append(offsets - local_starts[j])
+            all_groups.append(self.group_sequence[first + j])
             position = end
-        return spans
+        if not all_groups:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return np.concatenate(all_groups), np.concatenate(all_rows)
 
 
 def _seed(seed: int, epoch: int, window: int) -> int:

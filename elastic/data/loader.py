@@ -89,6 +89,8 @@ class _Collate:
 
     def __call__(self, samples: list[Any]) -> Any:
         if samples:
+            if self.collate_fn is default_collate and callable(getattr(samples, "collate", None)):
+                return samples.collate()  # a columnar batch (StreamingDataset): the same tensors, column-wise
             return self.collate_fn(samples)
         return _empty_like(self.collate_fn([self.dataset[0]]))
 

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import Dataset, default_collate
 
 from elastic.data import manifest as manifests
 from elastic.data.block_order import BlockShuffleOrder
@@ -48,10 +49,8 @@ class EpochRows:
         self._group_starts = group_starts
 
     def slice(self, start: int, stop: int) -> np.ndarray:
-        spans = self.order.rows(start, stop)
-        if not spans:
-            return np.empty(0, dtype=np.int64)
-        return np.concatenate([self._group_starts[s.group] + s.rows for s in spans])
+        groups, rows = self.order.locate(start, stop)
+        return self._group_starts[groups] + rows
 
 
 class _Column:
@@ -68,15 +67,37 @@ class _Column:
             if array.null_count == 0 and flat.null_count == 0:
                 width = array.type.list_size
                 self._values = flat.to_numpy(zero_copy_only=False).reshape(len(array), width)
-        if self._values is not None:
-            self._values = np.array(self._values)  # writable: torch's collate warns on read-only arrays
-        else:
+        if self._values is None:
             self._read = _column_reader(array)
 
     def take(self, rows: np.ndarray) -> Sequence[Any]:
         if self._values is not None:
-            return self._values[rows]
+            return self._values[rows]  # a copy (fancy indexing): writable, though the decoded column is not
         return [self._read(int(r)) for r in rows]
+
+
+class ColumnarRows(Sequence):
+    """Rows gathered column by column: row k is {name: column[k]}, as a map-style dataset's rows are, and
+    `collate()` gives what torch's default_collate would make of those rows (a tensor per numeric column, a
+    list per other column) without building them one by one."""
+
+    def __init__(self, columns: dict[str, Any], length: int):
+        self.columns = columns
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self._length))]
+        return {name: values[k] for name, values in self.columns.items()}
+
+    def collate(self) -> dict[str, Any]:
+        return {
+            name: torch.as_tensor(values) if isinstance(values, np.ndarray) else default_collate(values)
+            for name, values in self.columns.items()
+        }
 
 
 class StreamingDataset(Dataset):
@@ -141,21 +162,38 @@ class StreamingDataset(Dataset):
     def __getitem__(self, index: int) -> Any:
         return self.__getitems__([index])[0]
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+    def __getitems__(self, indices: Sequence[int]) -> Sequence[Any]:
+        """The rows at `indices`: with a transform, a list of what it returns for each row dict; without one, a
+        ColumnarRows (a sequence of row dicts that the loader's default collation turns into tensors a column
+        at a time, not a row at a time)."""
         ids = np.asarray(indices, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"row {int(ids.max())} out of range for {len(self)} rows")
         groups = np.searchsorted(self._group_starts, ids, side="right") - 1
         rows = ids - self._group_starts[groups]
-        out: list[Any] = [None] * len(ids)
-        for group in np.unique(groups).tolist():
-            columns = self._row_group(group)
-            where = np.flatnonzero(groups == group)
-            picked = {name: column.take(rows[where]) for name, column in columns.items()}
-            for slot, k in zip(where.tolist(), range(len(where))):
-                item = {name: values[k] for name, values in picked.items()}
-                out[slot] = self.transform(item) if self.transform is not None else item
-        return out
+        gathered: dict[str, Any] = {}
+        by_group = np.argsort(groups, kind="stable")  # the batch's rows, grouped by row group
+        cuts = np.flatnonzero(np.diff(groups[by_group])) + 1
+        for where in np.split(by_group, cuts) if len(ids) else []:
+            group = int(groups[where[0]])
+            for name, column in self._row_group(group).items():
+                values = column.take(rows[where])
+                if name not in gathered:
+                    gathered[name] = (
+                        np.empty((len(ids), *values.shape[1:]), dtype=values.dtype)
+                        if isinstance(values, np.ndarray)
+                        else [None] * len(ids)
+                    )
+                target = gathered[name]
+                if isinstance(target, np.ndarray):
+                    target[where] = values
+                else:
+                    for slot, value in zip(where.tolist(), values):
+                        target[slot] = value
+        batch = ColumnarRows(gathered, len(ids))
+        if self.transform is None:
+            return batch
+        return [self.transform(row) for row in batch]
 
     # --- row groups: fetched once, ahead of need
 
@@ -177,12 +215,13 @@ class StreamingDataset(Dataset):
             while len(self._loads) > 2 * self.shuffle_window:
                 self._loads.popitem(last=False)
             return
-        window = int(self._sequence_index[group]) // self.shuffle_window
-        for w in range(window + 1, window + 1 + self.prefetch):
+        window_of = lambda g: self._order.window_of_sequence_index(int(self._sequence_index[g]))  # noqa: E731
+        window = window_of(group)
+        for w in range(window + 1, min(window + 1 + self.prefetch, self._order.windows())):
             for g in self._order.window_groups(w).tolist():
                 if g not in self._loads:
                     self._loads[g] = self._pool.submit(self._read, g)
-        for g in [g for g in self._loads if int(self._sequence_index[g]) // self.shuffle_window < window - 1]:
+        for g in [g for g in self._loads if window_of(g) < window - 1]:
             del self._loads[g]
 
     def _read(self, group: int) -> dict[str, _Column]:

@@ -60,6 +60,17 @@ def test_a_window_holds_k_groups_and_each_is_read_within_its_window():
         assert groups == set(order.window_groups(w).tolist())
 
 
+def test_the_remainder_joins_the_last_window_so_no_window_mixes_only_a_few_groups():
+    order = BlockShuffleOrder([50] * 68, 1, 0, window=16)
+    assert order.windows() == 4
+    assert [len(order.window_groups(w)) for w in range(4)] == [16, 16, 16, 20]
+    assert sorted(np.concatenate([order.window_groups(w) for w in range(4)]).tolist()) == list(range(68))
+    first, last = int(order.starts[48]), order.num_rows
+    assert {s.group for s in order.rows(first, last)} == set(order.window_groups(3).tolist())
+    assert order.window_of(last - 1) == 3 and order.window_of(first) == 3 and order.window_of(first - 1) == 2
+    assert BlockShuffleOrder([50] * 5, 1, 0, window=16).windows() == 1  # fewer groups than a window: one window
+
+
 def _entropy(labels) -> float:
     counts = Counter(labels)
     n = len(labels)

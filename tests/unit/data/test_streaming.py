@@ -216,3 +216,36 @@ def test_the_ranks_of_a_node_fetch_each_row_group_once_through_the_disk_cache(da
     small.__getitems__(list(range(0, ROWS, 7)))
     held = sum(p.stat().st_size for p in small._cache.folder.glob("*.arrow"))
     assert 0 < held <= 20_000 + max(p.stat().st_size for p in small._cache.folder.glob("*.arrow"))
+
+
+def test_a_batch_is_collated_column_by_column_into_what_default_collate_makes_of_its_rows(tmp_path):
+    """Numeric, fixed-size list, string and nullable columns, a batch straddling row groups: the columnar
+    batch gives the same tensors and lists as torch's default_collate over the row dicts; a transform still
+    sees one row dict at a time."""
+    import torch
+    from torch.utils.data import default_collate
+
+    table = pa.table(
+        {
+            "i": np.arange(200, dtype=np.int64),
+            "x": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(800, dtype=np.float32)), 4),
+            "name": [f"row-{k}" for k in range(200)],
+            "maybe": [float(k) if k % 7 else None for k in range(200)],
+        }
+    )
+    pq.write_table(table, tmp_path / "rows.parquet", row_group_size=50)
+    index(str(tmp_path))
+    dataset = StreamingDataset(str(tmp_path), columns=["i", "x", "name"])
+    picks = [3, 170, 55, 4, 199, 120]  # four row groups, out of order
+    batch = dataset.__getitems__(picks)
+    columnar = ResumableLoader(dataset, ResumableSampler(200, 6, 0, 1))._dataloader.collate_fn(batch)
+    by_rows = default_collate([dict(row) for row in batch])
+    assert set(columnar) == {"i", "x", "name"}
+    assert torch.equal(columnar["i"], by_rows["i"]) and columnar["i"].tolist() == picks
+    assert torch.equal(columnar["x"], by_rows["x"]) and columnar["x"].dtype == torch.float32
+    assert columnar["x"][1].tolist() == [680.0, 681.0, 682.0, 683.0]
+    assert columnar["name"] == by_rows["name"] == [f"row-{k}" for k in picks]
+    nullable = StreamingDataset(str(tmp_path), columns=["maybe"]).__getitems__([6, 7, 8])
+    assert [row["maybe"] for row in nullable] == [6.0, None, 8.0]
+    shaped = StreamingDataset(str(tmp_path), columns=["i"], transform=lambda row: int(row["i"]) * 2)
+    assert shaped.__getitems__(picks) == [2 * k for k in picks] and shaped[5] == 10
