@@ -24,6 +24,8 @@ from elastic.config.spec import JobSpec
 from elastic.diagnostics.soak_faults import FaultedRun, FaultRecord
 from elastic.diagnostics.soak_plan import (
     CORRELATED_RECLAIMS,
+    DATA_FAULT_KINDS,
+    FAULT_KINDS,
     NODE_FAULTS,
     NOTICED,
     goodput,
@@ -77,6 +79,16 @@ class SoakReport:
         return asdict(self)
 
 
+def streamed_data_path(spec: JobSpec) -> str | None:
+    """The key prefix of the dataset a job streams from a bucket (`config.dataset: s3://BUCKET/KEY`), which
+    the soak's data-read faults match; None for a job whose data is not in a bucket."""
+    dataset = (spec.config or {}).get("dataset")
+    if not isinstance(dataset, str) or not dataset.startswith("s3://"):
+        return None
+    key = dataset[len("s3://") :].partition("/")[2].strip("/")
+    return f"/{key}/" if key else None
+
+
 class Soak:
     def __init__(
         self,
@@ -100,17 +112,19 @@ class Soak:
         self.spec, self.target, self.working_dir, self.log, self.progress = spec, target, working_dir, log, progress
         self.control = FaultControl(target.local.s3_endpoint)
         self.notice_seconds, self.replace_after = notice_seconds, replace_after
+        self.data_path = streamed_data_path(spec)
 
     def run(self, count: int, seed: int, workers: list[int]) -> SoakReport:
         stamp = self.verifier.stamp
         every = self.spec.checkpoint.every_steps
         # Plan before the long baseline where the plan can be refused without it (too few faults for --workers).
-        plan_faults(count, seed, (count + 1) * every, every, min(workers), len(workers))
+        kinds = DATA_FAULT_KINDS if self.data_path else FAULT_KINDS
+        plan_faults(count, seed, (count + 1) * every, every, min(workers), len(workers), kinds)
         baseline = self.verifier.run_segment(f"soak-{stamp}-base", workers[0], [], max_failures=0)
         # Checkpoints and pauses only change when things happen, not what is computed: the faulted run may
         # checkpoint more often and pause after each step and still end bit-identical.
         every, step_seconds = pacing(count, baseline.final_step, every)
-        faults = plan_faults(count, seed, baseline.final_step, every, min(workers), len(workers))
+        faults = plan_faults(count, seed, baseline.final_step, every, min(workers), len(workers), kinds)
         self._check_capacity(faults)
         self.progress(
             f"faults (checkpoint every {every} steps, {step_seconds:g} s pause per step): "
@@ -129,6 +143,7 @@ class Soak:
             self.notice_seconds,
             self.replace_after,
             step_seconds,
+            self.data_path,
         ).run(faults, workers)
         self._write_job_logs(faulted.job_ids)
         return self._report(baseline, faulted, seed, workers, baseline.seconds + step_seconds * baseline.final_step)

@@ -31,6 +31,7 @@ from elastic.diagnostics.soak_plan import (
     NODE_FAULTS,
     NOTICED_RECLAIM,
     RESTARTS,
+    S3_DATA_READ_ERRORS,
     S3_RESTORE_ERRORS,
     S3_SAVE_ERRORS,
     SAVE_KILL,
@@ -41,7 +42,7 @@ from elastic.driver import submit
 from elastic.errors import ClusterError
 from elastic.local import preempt
 from elastic.local import stack as local
-from elastic.local.fault_plan import ERROR_500, LATENCY, SLOW_DOWN
+from elastic.local.fault_plan import ERROR_500, LATENCY, RESET, SLOW_DOWN
 from elastic.local.s3_faults import FaultControl
 from elastic.worker.audit import AUDIT_FOLDER
 from elastic.worker.chaos import Kill
@@ -89,8 +90,10 @@ class FaultedRun:
         notice_seconds: float,
         replace_after: float,
         step_seconds: float = 0.0,
+        data_path: str | None = None,
     ):
         self.spec = spec
+        self.data_path = data_path  # the training data's key prefix in the bucket, for its read faults
         self.target = target
         self.working_dir = working_dir
         self.suffix = suffix
@@ -203,6 +206,13 @@ class FaultedRun:
             )
             killed = self._kill_a_training_worker(record)
             fired = self._injected_since(before, ERROR_500) if killed else (lambda: False)
+        elif record.kind == S3_DATA_READ_ERRORS:
+            match = {"methods": ["GET"], "path_contains": self.data_path}
+            self.control.open_window(SLOW_DOWN, requests=S3_BURST, match=match)
+            self.control.open_window(RESET, requests=S3_BURST, match=match)
+            killed = self._kill_a_training_worker(record)  # the restarted ranks read their data window again
+            throttled, reset = self._injected_since(before, SLOW_DOWN), self._injected_since(before, RESET)
+            fired = (lambda: throttled() and reset()) if killed else (lambda: False)
         elif record.kind == SLOW_S3:
             self.control.set_rates(latency=1.0, latency_seconds=SLOW_SECONDS)
             fired = self._injected_since(before, LATENCY)

@@ -23,6 +23,9 @@ S3_SAVE_ERRORS = "s3_save_errors"  # a burst of 503 SlowDown on the checkpoint's
 S3_RESTORE_ERRORS = "s3_restore_errors"  # a burst of 500s on the checkpoint's reads while the run restores
 SLOW_S3 = "slow_s3"  # every S3 request delayed until the next checkpoint commits
 DRIVER_KILLED = "driver_killed"  # the job's driver stopped, and the job resubmitted (resumes from storage)
+# 503s and reset connections on the training data's reads, met as the run restarts (a worker killed) and
+# reads its data window again: the reads are retried, no sample lost or repeated.
+S3_DATA_READ_ERRORS = "s3_data_read_errors"
 
 FAULT_KINDS = (
     WORKER_KILL,
@@ -38,8 +41,10 @@ FAULT_KINDS = (
 IN_WORKER = frozenset({WORKER_KILL, SAVE_KILL})
 NODE_FAULTS = frozenset({NOTICED_RECLAIM, HARD_NODE_LOSS, CORRELATED_RECLAIMS})
 # Faults after which the run starts a new attempt (restores from storage); the others leave it running.
-RESTARTS = frozenset({WORKER_KILL, SAVE_KILL, *NODE_FAULTS, S3_RESTORE_ERRORS, DRIVER_KILLED})
+RESTARTS = frozenset({WORKER_KILL, SAVE_KILL, *NODE_FAULTS, S3_RESTORE_ERRORS, S3_DATA_READ_ERRORS, DRIVER_KILLED})
 NOTICED = frozenset({NOTICED_RECLAIM, CORRELATED_RECLAIMS})
+# Jobs that stream their data from the bucket (config.dataset) also draw faults on its reads.
+DATA_FAULT_KINDS = (*FAULT_KINDS, S3_DATA_READ_ERRORS)
 # Training time to give each fault: a reclaim's notice, the drain, a just-in-time save and a restart must fit
 # before the run ends, or the fault never meets it.
 SECONDS_PER_FAULT = 20.0
@@ -57,9 +62,9 @@ class Fault:
         return self.kind in IN_WORKER
 
 
-def draw_kinds(count: int, seed: int, segments: int = 1) -> list[str]:
-    """`count` fault kinds from `seed`: every kind once, in a seeded order, before any repeats (so 9 faults
-    or more cover them all). A run that changes its worker count `segments - 1` times needs as many driver
+def draw_kinds(count: int, seed: int, segments: int = 1, kinds_drawn: tuple[str, ...] = FAULT_KINDS) -> list[str]:
+    """`count` fault kinds of `kinds_drawn` from `seed`: every kind once, in a seeded order, before any repeats
+    (so 9 faults or more cover the default kinds). A run that changes its worker count `segments - 1` times needs as many driver
     kills (each resubmission moves to the next count): the last other draws give way to them."""
     if count < segments - 1:
         raise UserError(
@@ -69,7 +74,7 @@ def draw_kinds(count: int, seed: int, segments: int = 1) -> list[str]:
     rng = random.Random(seed)
     kinds: list[str] = []
     while len(kinds) < count:
-        cycle = list(FAULT_KINDS)
+        cycle = list(kinds_drawn)
         rng.shuffle(cycle)
         kinds += cycle
     kinds = kinds[:count]
@@ -84,12 +89,18 @@ def draw_kinds(count: int, seed: int, segments: int = 1) -> list[str]:
 
 
 def plan_faults(
-    count: int, seed: int, final_step: int, every_steps: int, workers: int, segments: int = 1
+    count: int,
+    seed: int,
+    final_step: int,
+    every_steps: int,
+    workers: int,
+    segments: int = 1,
+    kinds_drawn: tuple[str, ...] = FAULT_KINDS,
 ) -> list[Fault]:
     """The soak's faults over a run of about `final_step` steps that checkpoints every `every_steps`: the i-th
     of N lands at step (i+1)/(N+1) of the run; a save kill on the next checkpoint's step. Each fault needs a
     checkpoint between it and the next, so the run must be long enough: a UserError says how long."""
-    kinds = draw_kinds(count, seed, segments)
+    kinds = draw_kinds(count, seed, segments, kinds_drawn)
     needed = (count + 1) * every_steps
     if final_step < needed:
         raise UserError(

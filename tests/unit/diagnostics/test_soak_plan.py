@@ -27,6 +27,17 @@ def test_the_same_seed_draws_the_same_faults_and_nine_cover_every_kind():
     assert all(twenty.count(kind) >= 2 for kind in FAULT_KINDS)  # two full cycles, then two more
 
 
+def test_a_job_streaming_from_a_bucket_also_draws_faults_on_its_data_reads():
+    from elastic.config.spec import load_job_spec
+    from elastic.diagnostics.soak import streamed_data_path
+    from elastic.diagnostics.soak_plan import DATA_FAULT_KINDS, S3_DATA_READ_ERRORS
+
+    assert sorted(draw_kinds(10, seed=3, kinds_drawn=DATA_FAULT_KINDS)) == sorted(DATA_FAULT_KINDS)
+    assert S3_DATA_READ_ERRORS not in draw_kinds(20, seed=3)  # jobs with their data in memory: as before
+    assert streamed_data_path(load_job_spec("jobs/charlm.yaml")) == "/datasets/charlm-apache/"
+    assert streamed_data_path(load_job_spec("jobs/digits_ddp.yaml")) is None
+
+
 def test_worker_count_changes_get_their_driver_kills():
     kinds = draw_kinds(3, seed=1, segments=3)
     assert kinds.count(DRIVER_KILLED) >= 2
