@@ -12,7 +12,7 @@ MIN_PIP := 25.0
 # No RAY_AUTH_MODE here: the local stack runs with Ray token auth and hands its mode and token to every process
 # and client it starts (`elastic local env` prints them).
 
-.PHONY: install prometheus demo lint test test-unit test-integration down clean
+.PHONY: install prometheus demo lint test test-unit test-integration down clean peers
 
 install: $(VENV)/.installed prometheus
 
@@ -50,16 +50,21 @@ lint: install
 	promtool check rules deploy/prometheus/elastic-alerts.yml
 	promtool test rules deploy/prometheus/elastic-alerts.test.yml
 
-# Two pytest-xdist workers: the integration tests as one serial group on one (tests/conftest.py), the unit
-# tests beside them; the log ends with the 25 slowest tests and the total time.
+# Two pytest-xdist workers: each integration module whole and in order on one of them (tests/conftest.py), the
+# unit tests spread over both; the log ends with the 25 slowest tests and the total time.
 test: lint
-	$(BIN)/python -m pytest tests -n 2 --dist loadgroup --durations=25
+	$(BIN)/python -m pytest tests -n 2 --durations=25
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit
 
 test-integration: install
 	$(BIN)/python -m pytest tests/integration
+
+# The MosaicML Streaming peer of `elastic bench data`: a venv of its own (bench/peers/.venv-mosaic), since
+# mosaicml-streaming pins numpy<2.2 and transformers<5. Without it the bench reports that peer as skipped.
+peers:
+	PYTHON=$(PYTHON) TORCH_SPEC='$(TORCH_SPEC)' bench/peers/setup_mosaic.sh
 
 down: install
 	$(BIN)/elastic local down
