@@ -152,7 +152,7 @@ def index(uri: str, write: bool = True, threads: int = 16) -> Manifest:
         FileEntry(
             path=_relative(path, name),
             bytes=int(infos[name]["size"]),
-            etag=_etag(fs, infos[name]),
+            etag=etag_of(fs, infos[name]),
             rows=meta.num_rows,
             row_groups=[meta.row_group(i).num_rows for i in range(meta.num_row_groups)],
         )
@@ -199,7 +199,7 @@ def verify(manifest: Manifest, threads: int = 16) -> None:
             info = fs.info(name)
         except FileNotFoundError:
             return f"{manifest.root}: {entry.path} is missing"
-        if int(info["size"]) != entry.bytes or _etag(fs, info) != entry.etag:
+        if int(info["size"]) != entry.bytes or etag_of(fs, info) != entry.etag:
             return f"{manifest.root}: {entry.path} changed since the manifest was written"
         return None
 
@@ -221,7 +221,7 @@ def _footer(fs, path: str) -> pq.FileMetaData:
             raise DatasetError(f"{path}: not a readable Parquet file ({err}); remove it or rewrite it") from None
 
 
-def _etag(fs, info: dict) -> str:
+def etag_of(fs, info: dict) -> str:
     """The object store's ETag; for local files, the modification time (a rewrite changes it)."""
     if isinstance(fs, LocalFileSystem):
         return f"mtime:{info.get('mtime', info.get('created', 0))}"
