@@ -26,6 +26,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import torch
 
+from elastic.bench.data_peers import bench_peers
 from elastic.bench.data_training import bench_training
 from elastic.data import ResumableLoader, ResumableSampler, StreamingDataset
 from elastic.data.block_order import BlockShuffleOrder
@@ -65,7 +66,9 @@ def generated_dataset(uri: str, rows: int, row_bytes: int, row_group_mb: float) 
     return uri
 
 
-def bench_data(uri: str, ranks: int = 2, batch_size: int = 256, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW) -> dict:
+def bench_data(
+    uri: str, ranks: int = 2, batch_size: int = 256, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW, peers: bool = True
+) -> dict:
     """The ranks are taken to share one node: with the node cache (a fresh one, in a temp dir) they fetch
     each row group once between them; `read_amplification_uncached` is each rank fetching its own."""
     manifest = load(uri)
@@ -101,6 +104,10 @@ def bench_data(uri: str, ranks: int = 2, batch_size: int = 256, shuffle_window: 
         "rows_each_once": shuffled["exactly_once"] and sequential["exactly_once"] and uncached["exactly_once"],
         **order_quality(manifest.row_group_rows(), shuffle_window, batch_size * ranks),
         **bench_training(uri, ranks=ranks, batch_size=batch_size),
+        # Ray Data and MosaicML Streaming over the same rows (elastic.bench.data_peers); --no-peers skips them.
+        "peers": bench_peers(uri, batch_size, manifest.rows / (shuffled["seconds"] * ranks), shuffle_window)
+        if peers
+        else {"skipped": "--no-peers"},
     }
 
 

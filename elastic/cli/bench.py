@@ -326,6 +326,7 @@ def bench_s3_cmd(servers: tuple[str, ...], size_mb: float, objects: int, threads
 @click.option("--row-bytes", default=1024, show_default=True, type=click.IntRange(32), help="Bytes a generated row.")
 @click.option("--shuffle-window", default=64, show_default=True, type=click.IntRange(1), help="Row groups a window.")
 @click.option("--synthetic-rows", type=float, help="Measure the epoch order alone on a manifest of this many rows.")
+@click.option("--no-peers", is_flag=True, help="Skip the Ray Data and MosaicML Streaming reads of the same rows.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_data_cmd(
     uri: str | None,
@@ -334,6 +335,7 @@ def bench_data_cmd(
     row_bytes: int,
     shuffle_window: int,
     synthetic_rows: float | None,
+    no_peers: bool,
     as_json: bool,
 ) -> None:
     """Streaming a dataset from a bucket: sequential and block-shuffled rows/s beside raw parallel GETs and a
@@ -358,7 +360,7 @@ def bench_data_cmd(
             )
         else:
             _bench_target(uri, "")
-        result = bench.bench_data(uri, ranks=ranks, shuffle_window=shuffle_window)
+        result = bench.bench_data(uri, ranks=ranks, shuffle_window=shuffle_window, peers=not no_peers)
         ratios = {"shuffled_vs_raw": 0.8, "shuffled_vs_sequential": 0.9, "train_vs_memory": 0.8, "quality": 0.95}
         ratios["read_amplification"] = 1.1
     if as_json:
