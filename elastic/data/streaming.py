@@ -150,8 +150,10 @@ class StreamingDataset(Dataset):
         order = BlockShuffleOrder(self._row_counts, seed, epoch, self.shuffle_window, shuffle=shuffle)
         with self._lock:
             self._order = order
-            self._sequence_index = np.empty(len(order.group_sequence), dtype=np.int64)
-            self._sequence_index[order.group_sequence] = np.arange(len(order.group_sequence))
+            sequence_index = np.empty(len(order.group_sequence), dtype=np.int64)
+            sequence_index[order.group_sequence] = np.arange(len(order.group_sequence))
+            self._window_of_group = np.minimum(sequence_index // order.window, order.windows() - 1)
+            self._prefetched_window = -1
         return EpochRows(order, self._group_starts)
 
     # --- access
@@ -205,23 +207,23 @@ class StreamingDataset(Dataset):
             if pending is None:
                 pending = self._loads[group] = self._pool.submit(self._read, group)
             self._loads.move_to_end(group)
-            self._prefetch_after(group)
+            if self._order is None:  # no epoch order asked for (plain indexing): keep the last few row groups
+                while len(self._loads) > 2 * self.shuffle_window:
+                    self._loads.popitem(last=False)
+            elif (window := int(self._window_of_group[group])) > self._prefetched_window:
+                # Once a window, not once a row group: a batch touches every row group of its window.
+                self._prefetch_after(window)
+                self._prefetched_window = window
         return pending.result()
 
-    def _prefetch_after(self, group: int) -> None:
-        """Under the lock: start fetching the windows after `group`'s, and forget the row groups of windows
+    def _prefetch_after(self, window: int) -> None:
+        """Under the lock: start fetching the windows after `window`, and forget the row groups of windows
         before the previous one (a batch may straddle two windows)."""
-        if self._order is None:  # no epoch order asked for (plain indexing): keep the last few row groups
-            while len(self._loads) > 2 * self.shuffle_window:
-                self._loads.popitem(last=False)
-            return
-        window_of = lambda g: self._order.window_of_sequence_index(int(self._sequence_index[g]))  # noqa: E731
-        window = window_of(group)
         for w in range(window + 1, min(window + 1 + self.prefetch, self._order.windows())):
             for g in self._order.window_groups(w).tolist():
                 if g not in self._loads:
                     self._loads[g] = self._pool.submit(self._read, g)
-        for g in [g for g in self._loads if window_of(g) < window - 1]:
+        for g in [g for g in self._loads if self._window_of_group[g] < window - 1]:
             del self._loads[g]
 
     def _read(self, group: int) -> dict[str, _Column]:
@@ -283,11 +285,22 @@ class StreamingDataset(Dataset):
         self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="elastic-data")
         self._loads: OrderedDict[int, Future] = OrderedDict()
         self._order: BlockShuffleOrder | None = None
-        self._sequence_index = np.empty(0, dtype=np.int64)
+        self._window_of_group = np.empty(0, dtype=np.int64)  # the epoch order's window of each row group
+        self._prefetched_window = -1  # the windows after this one are being fetched
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_pid", "_lock", "_pool", "_loads", "_order", "_sequence_index", "bytes_fetched", "_cache"):
+        for key in (
+            "_pid",
+            "_lock",
+            "_pool",
+            "_loads",
+            "_order",
+            "_window_of_group",
+            "_prefetched_window",
+            "bytes_fetched",
+            "_cache",
+        ):
             state.pop(key, None)
         return state
 

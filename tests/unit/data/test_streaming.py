@@ -174,8 +174,9 @@ def test_the_next_window_is_fetched_ahead_and_windows_behind_are_let_go(dataset_
     assert ahead <= set(dataset._loads)  # window 1's row groups are being fetched while window 0 trains
     late = order.order.starts[4 * 2]  # a position in window 4
     dataset.__getitems__(order.slice(int(late), int(late) + 1).tolist())
-    windows = {int(dataset._sequence_index[g]) // 2 for g in dataset._loads}
+    windows = {int(dataset._window_of_group[g]) for g in dataset._loads}
     assert min(windows) >= 3  # windows 0-2 are let go
+    assert set(order.order.window_groups(5).tolist()) <= set(dataset._loads)  # and window 5 is on its way
 
 
 def test_a_transient_storage_error_is_retried_and_a_missing_shard_is_one_line(dataset_dir, monkeypatch):
