@@ -258,9 +258,11 @@ class StreamingDataset(Dataset):
 
     def _fetch_table(self, entry: manifests.FileEntry, row_group: int) -> pa.Table:
         fs, root = fsspec_filesystem(self.uri)
-        # Exact ranges: the footer, then the row group's column chunks (pre_buffer coalesces them into few GETs).
-        with fs.open(f"{root}/{entry.path}", "rb", cache_type="none") as handle:
-            parquet = pq.ParquetFile(handle, pre_buffer=True)
+        # Exact ranges: the row group's column chunks (pre_buffer coalesces them into few GETs). The size comes
+        # from the manifest (no HEAD) and the footer is read once a file per process, not once a row group: on
+        # an object store each request costs more than a row group's bytes take to arrive.
+        with fs.open(f"{root}/{entry.path}", "rb", cache_type="none", size=entry.bytes) as handle:
+            parquet = pq.ParquetFile(handle, pre_buffer=True, metadata=self._footer(entry, handle))
             table = parquet.read_row_group(row_group, columns=self.columns)
             metadata = parquet.metadata.row_group(row_group)
             chunk_bytes = sum(metadata.column(i).total_compressed_size for i in range(metadata.num_columns))
@@ -273,6 +275,13 @@ class StreamingDataset(Dataset):
             )
         return table
 
+    def _footer(self, entry: manifests.FileEntry, handle) -> pq.FileMetaData:
+        footer = self._footers.get(entry.path)
+        if footer is None:
+            footer = self._footers[entry.path] = pq.read_metadata(handle)
+            handle.seek(0)
+        return footer
+
     # --- per-process state, never pickled
 
     def _reset_process_state(self) -> None:
@@ -284,6 +293,7 @@ class StreamingDataset(Dataset):
         )
         self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="elastic-data")
         self._loads: OrderedDict[int, Future] = OrderedDict()
+        self._footers: dict[str, pq.FileMetaData] = {}  # each file's Parquet footer, read once
         self._order: BlockShuffleOrder | None = None
         self._window_of_group = np.empty(0, dtype=np.int64)  # the epoch order's window of each row group
         self._prefetched_window = -1  # the windows after this one are being fetched
