@@ -11,7 +11,8 @@ def test_a_streamed_epoch_reads_each_row_once_and_reports_every_figure(tmp_path)
     uri = bench.generated_dataset(str(tmp_path / "rows"), rows=3000, row_bytes=256, row_group_mb=0.05)
     result = bench.bench_data(uri, ranks=2, batch_size=64, shuffle_window=4, peers=False)
     assert result["rows"] == 3000 and result["row_groups"] > 8 and result["rows_each_once"] is True
-    for key in ("sequential_rows_per_s", "shuffled_rows_per_s", "raw_get_mb_per_s", "pyarrow_scan_rows_per_s"):
+    rates = ("sequential_rows_per_s", "shuffled_rows_per_s", "pyarrow_scan_rows_per_s")
+    for key in (*rates, "raw_get_mb_per_s", "raw_range_get_mb_per_s", "shuffled_vs_range_get"):
         assert result[key] > 0, key
     assert result["read_amplification"] <= 1.0  # the 2 ranks share the node's cache: each row group once
     assert 1.5 < result["read_amplification_uncached"] <= 2.05  # each rank fetching every row group itself
