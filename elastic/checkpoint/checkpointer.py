@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from elastic.checkpoint.dcp_io import storage_reader, storage_writer
 from elastic.checkpoint.store import CheckpointStore
@@ -259,6 +260,8 @@ class ShardedCheckpointer:
 
 
 def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, DTensor):  # this rank's shard
+        value = value.to_local()
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, dict):
@@ -274,7 +277,19 @@ def _stage_into(
     """Copy tensors into host buffers the loop will not touch (training keeps updating the originals).
 
     Buffers are reused between saves, so after the first save staging is a memcpy per tensor. Tensors that
-    `deferrable` accepts get their buffer now and their copy queued in `copies` for the background thread."""
+    `deferrable` accepts get their buffer now and their copy queued in `copies` for the background thread.
+    A DTensor (FSDP2) stages its local shard only, and stays a DTensor of the same layout, so each rank writes
+    its own shards."""
+    if isinstance(value, DTensor):
+        shard = _stage_into(
+            value.to_local(),
+            buffer.to_local() if isinstance(buffer, DTensor) else None,
+            (lambda _: deferrable(value)) if deferrable is not None else None,
+            copies,
+        )
+        return DTensor.from_local(
+            shard, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
     if isinstance(value, torch.Tensor):
         source = value.detach()
         if (

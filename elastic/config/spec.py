@@ -141,8 +141,39 @@ class FailureSpec(_Frozen):
 Precision = Literal["fp32", "bf16", "fp16"]
 
 
+Parallelism = Literal["ddp", "fsdp"]
+
+
+class FsdpMixedPrecisionSpec(_Frozen):
+    """FSDP2's MixedPrecisionPolicy: the dtype parameters are gathered in for forward/backward, and the one
+    gradients are reduced in. Unset: `train.precision` (fp32 keeps everything in float32)."""
+
+    param_dtype: Optional[Precision] = Field(default=None, description="Default: train.precision.")
+    reduce_dtype: Optional[Precision] = Field(
+        default="fp32", description="Gradients are reduce-scattered in this dtype (fp32: exact sums)."
+    )
+
+
+class FsdpSpec(_Frozen):
+    """How `train.parallelism: fsdp` shards the model (torch.distributed.fsdp.fully_shard)."""
+
+    reshard_after_forward: bool = Field(
+        default=True,
+        description="Free the gathered parameters after forward (less memory; gathered again in backward).",
+    )
+    mixed_precision: FsdpMixedPrecisionSpec = Field(default_factory=FsdpMixedPrecisionSpec)
+    cpu_offload: bool = Field(default=False, description="Keep sharded parameters and optimizer state in host memory.")
+
+
 class TrainSpec(_Frozen):
     """How `session.optimize(loss)` turns a loss into an optimizer step."""
+
+    parallelism: Parallelism = Field(
+        default="ddp",
+        description="ddp: every worker holds the whole model; fsdp: parameters, gradients and optimizer state are "
+        "sharded over the workers (FSDP2), for models DDP cannot hold. The training loop is the same.",
+    )
+    fsdp: FsdpSpec = Field(default_factory=FsdpSpec)
 
     precision: Precision = Field(
         default="fp32",

@@ -4,7 +4,8 @@ so the harness never branches on flags.
 
 - Precision: bf16 runs the model's forward under autocast; fp16 adds a GradScaler (checkpointed with the
   run). fp32 is the null policy: no autocast, a scaler that scales by 1.
-- Accumulation: DDP's gradient all-reduce is skipped (`no_sync`) on all but the last micro-batch of a step.
+- Accumulation: DDP's gradient all-reduce (FSDP2's reduce-scatter) is skipped on all but the last micro-batch
+  of a step (`no_sync`; `set_requires_gradient_sync`).
 - Non-finite guard: a step whose loss is NaN/inf on any rank is skipped on every rank (they must agree, or
   their parameters diverge) and counted; K in a row stop the run with a clear error.
 """
@@ -22,6 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_ac
 
 from elastic.config.spec import TrainSpec
 from elastic.errors import NonFiniteLoss
+from elastic.parallel.fsdp import local
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -157,10 +159,10 @@ def _gradients_finite(optimizer: torch.optim.Optimizer) -> bool:
     element, on every rank once all-reduced: one element per tensor tells, where a norm over all of them cost
     a pass over the model each step."""
     probes = [
-        p.grad.reshape(-1)[:1]
+        local(p.grad).reshape(-1)[:1]
         for group in optimizer.param_groups
         for p in group["params"]
-        if p.grad is not None and p.grad.numel()
+        if p.grad is not None and local(p.grad).numel()
     ]
     return not probes or bool(torch.isfinite(torch.cat(probes)).all())
 
@@ -202,16 +204,24 @@ class OptimizerStep:
         if self.spec.grad_accumulation > 1:
             loss = loss / self.spec.grad_accumulation
         scaled = self.scaler.scale(loss)
-        # Every rank runs backward even on a NaN loss: DDP's all-reduce is collective.
-        sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+        # Every rank runs backward even on a NaN loss: DDP's all-reduce (FSDP's reduce-scatter) is collective.
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter on the last only
+            self.model.set_requires_gradient_sync(last)
+            sync = contextlib.nullcontext()
+        else:
+            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
         with sync:
             scaled.backward()
         if not last:
             return False, False
         self.micro = 0
-        if self._agree_through_gradients:
+        if self._agree_through_gradients and not self._sharded:
             # The gradients are all-reduced, so identical on every rank: so is this decision, for free.
             bad = not _gradients_finite(self.optimizer)
+        elif self._agree_through_gradients:
+            # Sharded: each rank holds its own slice of the reduced gradients (NaN in every slice alike, but a
+            # rank may hold no elements at all): one flag, agreed.
+            bad = self._any_rank(not _gradients_finite(self.optimizer))
         else:
             # fp16: the scaler's overflow also makes gradients non-finite, which is not a bad loss; ask the ranks.
             bad = self._any_rank(self._nonfinite)
@@ -227,6 +237,10 @@ class OptimizerStep:
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return True, applied
+
+    @property
+    def _sharded(self) -> bool:
+        return hasattr(self.model, "set_requires_gradient_sync")
 
     @property
     def _agree_through_gradients(self) -> bool:

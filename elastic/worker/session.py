@@ -34,6 +34,8 @@ from elastic.config.spec import JobSpec
 from elastic.data import ResumableLoader, ResumableSampler
 from elastic.observability.gpu import gpu_sampler
 from elastic.observability.metrics import run_metrics
+from elastic.parallel.fsdp import shard_model
+from elastic.parallel.memory import measured as measured_state
 from elastic.worker.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
 from elastic.worker.cadence import CheckpointCadence
 from elastic.worker.chaos import Chaos
@@ -217,22 +219,35 @@ class Session:
         optimizer: torch.optim.Optimizer | None = None,
         scheduler=None,
         checkpoint_layers=None,
+        shard=None,
     ):
-        """Move to this worker's device, wrap in DDP (also at world size 1, so `model.module` always works)
-        and register model, optimizer and LR scheduler for checkpointing. Build the optimizer over
-        `model.parameters()` before calling.
+        """Move to this worker's device, wrap for `train.parallelism` and register model, optimizer and LR
+        scheduler for checkpointing. Build the optimizer over `model.parameters()` before calling.
 
-        The spec's `train` section applies here: the forward runs under bf16/fp16 autocast (outputs come back
-        as float32), and with `activation_checkpointing` the `checkpoint_layers` (a tuple of module types or a
-        predicate; default: the model's direct children) recompute their activations in backward."""
+        ddp (default): DistributedDataParallel, also at world size 1 (`model.module` is the model). fsdp: FSDP2's
+        fully_shard on each module `shard` picks (a tuple of module types or a predicate; default: the entries of
+        the model's ModuleLists, e.g. a transformer's blocks) and on the root; the optimizer is rebound to the
+        sharded parameters (the same object: a scheduler bound to it stays valid). The loop is the same.
+
+        The spec's `train` section applies here: the forward runs in bf16/fp16 (autocast under ddp, FSDP's
+        MixedPrecisionPolicy under fsdp; outputs come back as float32), and with `activation_checkpointing` the
+        `checkpoint_layers` (a tuple of module types or a predicate; default: the model's direct children)
+        recompute their activations in backward."""
         train = self.spec.train
         if train.activation_checkpointing:
             count = apply_activation_checkpointing(model, checkpoint_layers)
             self.log(f"activation checkpointing on {count} modules")
         model = model.to(self.device)
-        autocast_forward(model, train.precision, self.device)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        if train.parallelism == "fsdp":
+            wrapped, line = shard_model(model, optimizer, train.fsdp, train.precision, shard)
+            self.log(line)
+        else:
+            autocast_forward(model, train.precision, self.device)
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        self.log(
+            f"{train.parallelism} at world size {self.world_size}: {measured_state(wrapped, optimizer).describe()}"
+        )
         self._state.model, self._state.optimizer = wrapped, optimizer
         if scheduler is not None:
             self.track("lr_scheduler", scheduler)

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from elastic.parallel.fsdp import local
+
 
 class Stateful(Protocol):
     def state_dict(self) -> dict: ...
@@ -111,10 +113,11 @@ class TrainingState:
         statistics, updated by forward) are staged before the save returns."""
         if self.model is None or self.optimizer is None:
             return None
-        storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        storage = lambda tensor: local(tensor).untyped_storage().data_ptr()  # noqa: E731  (a DTensor: its shard)
+        storages = {storage(p) for p in self.model.parameters()}
         for state in self.optimizer.state.values():
-            storages |= {t.untyped_storage().data_ptr() for t in state.values() if isinstance(t, torch.Tensor)}
-        return lambda tensor: tensor.untyped_storage().data_ptr() in storages
+            storages |= {storage(t) for t in state.values() if isinstance(t, torch.Tensor)}
+        return lambda tensor: storage(tensor) in storages
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.optimizer] if self.optimizer is not None else []
