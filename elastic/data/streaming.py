@@ -91,7 +91,12 @@ class ColumnarRows(Sequence):
     def __getitem__(self, k):  # type: ignore[override]
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(self._length))]
+        if not -self._length <= k < self._length:  # an empty batch has no columns to raise it
+            raise IndexError(f"row {k} of {self._length}")
         return {name: values[k] for name, values in self.columns.items()}
+
+    def __iter__(self):
+        return (self[k] for k in range(self._length))
 
     def collate(self) -> dict[str, Any]:
         return {

@@ -250,3 +250,14 @@ def test_a_batch_is_collated_column_by_column_into_what_default_collate_makes_of
     assert [row["maybe"] for row in nullable] == [6.0, None, 8.0]
     shaped = StreamingDataset(str(tmp_path), columns=["i"], transform=lambda row: int(row["i"]) * 2)
     assert shaped.__getitems__(picks) == [2 * k for k in picks] and shaped[5] == 10
+
+
+def test_an_empty_batch_is_empty_with_or_without_a_transform(dataset_dir):
+    """A rank's empty tail batch (possible at some world sizes): no rows, not endless empty row dicts (a
+    transform was handed {} and failed with KeyError in charlm's verify-resume)."""
+    assert list(StreamingDataset(str(dataset_dir)).__getitems__([])) == []
+    assert StreamingDataset(str(dataset_dir), transform=lambda row: row["x"]).__getitems__([]) == []
+    rows = StreamingDataset(str(dataset_dir)).__getitems__([0, 1])
+    assert [int(row["i"]) for row in rows] == [0, 1] and rows[-1]["i"] == 1
+    with pytest.raises(IndexError):
+        rows[2]
