@@ -93,6 +93,19 @@ class SourcePlan:
             groups.append(current)
         return groups
 
+    def convert_args(self, group: list[int], dest: str, shard_mb: float, row_group_mb: float) -> tuple:
+        """`convert_files`'s arguments for one group (a thread here, a Ray task with --address)."""
+        return (
+            self.source,
+            self.kind,
+            [self.files[i] for i in group],
+            self.schema,
+            dest,
+            group[0],
+            shard_mb,
+            row_group_mb,
+        )
+
 
 def is_generator(source: str) -> bool:
     return ":" in source and "://" not in source and not Path(source).exists()
@@ -172,15 +185,7 @@ def prepare(
     with ThreadPoolExecutor(max_workers=workers) as pool:
         done = pool.map(
             lambda group: convert_files(
-                plan.source,
-                plan.kind,
-                [plan.files[i] for i in group],
-                plan.schema,
-                dest,
-                group[0],
-                shard_mb,
-                row_group_mb,
-                writers=max(1, threads // workers),
+                *plan.convert_args(group, dest, shard_mb, row_group_mb), writers=max(1, threads // workers)
             ),
             groups,
         )

@@ -118,19 +118,7 @@ def prepare_on_ray(
         runtime_env={"env_vars": storage_env()},
         name="elastic-data-prepare",
     )
-    refs = {
-        task.remote(
-            plan.source,
-            plan.kind,
-            [plan.files[i] for i in group],
-            plan.schema,
-            dest,
-            group[0],
-            shard_mb,
-            row_group_mb,
-        ): group
-        for group in groups
-    }
+    refs = {task.remote(*plan.convert_args(group, dest, shard_mb, row_group_mb)): group for group in groups}
     written = _collect(plan, refs)
     return commit(dest, written, source)
 

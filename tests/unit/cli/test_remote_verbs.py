@@ -112,10 +112,10 @@ def test_inside_the_job_the_verb_prints_one_result_line(monkeypatch, capsys):
     assert line.startswith(remote.RESULT_PREFIX) and json.loads(line[len(remote.RESULT_PREFIX) :]) == RESULT
 
 
-def test_a_file_outside_the_working_directory_is_one_line_and_exit_2(jobs, tmp_path):
+def test_a_file_outside_the_working_directory_is_one_line_and_exit_2(jobs, tmp_path, cli_entry):
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text((REPO / "jobs" / "digits_sweep.yaml").read_text().replace("jobs/", f"{REPO}/jobs/"))
-    proc = cli_main_subprocess("sweep", str(sweep), "--address", "http://127.0.0.1:9")
+    proc = cli_entry("sweep", str(sweep), "--address", "http://127.0.0.1:9")
     assert proc.returncode == 2 and "must be inside the current directory" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and jobs.submitted == []
 
@@ -124,23 +124,3 @@ def test_a_job_that_printed_no_result_fails_with_its_status(jobs):
     jobs.chunks = ["Traceback: something broke\n"]
     proc = CliRunner().invoke(cli_main.cli, ["bench", "overhead", "--address", "http://h:8265"])
     assert proc.exit_code != 0 and "printed no result" in str(proc.exception)
-
-
-def cli_main_subprocess(*args: str):
-    """The real entry (main(): one line and exit 2 for user errors) in this process, as a finished process."""
-    import contextlib
-    import io
-    import sys
-
-    err = io.StringIO()
-    code = 0
-    argv = sys.argv
-    try:
-        sys.argv = ["elastic", *args]
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            cli_main.main()
-    except SystemExit as exit_:
-        code = exit_.code or 0
-    finally:
-        sys.argv = argv
-    return type("Proc", (), {"returncode": code, "stderr": err.getvalue()})()

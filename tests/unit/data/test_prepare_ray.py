@@ -6,12 +6,9 @@ address, a task's unreadable file) with one line."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import io
 import json
 import logging
-import sys
 
 import numpy as np
 import pyarrow as pa
@@ -144,8 +141,9 @@ def test_the_cli_converts_on_the_cluster_it_joins(cluster, source, tmp_path, mon
         (["--address", "http://127.0.0.1:8265"], "is a job API URL"),
     ],
 )
-def test_refusals_are_one_line_and_exit_2(source, tmp_path, args, says):
-    code, err = _main("data", "prepare", source, str(tmp_path / "out"), *args)
+def test_refusals_are_one_line_and_exit_2(source, tmp_path, args, says, cli_entry):
+    finished = cli_entry("data", "prepare", source, str(tmp_path / "out"), *args)
+    code, err = finished.returncode, finished.stderr
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
 
@@ -174,19 +172,3 @@ def test_the_tasks_get_the_clients_storage_variables_only():
         "AWS_SECRET_ACCESS_KEY": "s",
         "FSSPEC_S3_ENDPOINT_URL": "http://s3:9000",
     }
-
-
-def _main(*args: str) -> tuple[int, str]:
-    """The real entry (main(): one line and exit 2 for user errors), in this process."""
-    err = io.StringIO()
-    code = 0
-    argv = sys.argv
-    try:
-        sys.argv = ["elastic", *args]
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            cli_main.main()
-    except SystemExit as exit_:
-        code = exit_.code or 0
-    finally:
-        sys.argv = argv
-    return code, err.getvalue()
