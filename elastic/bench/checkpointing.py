@@ -3,7 +3,11 @@ checkpointer, and put/get the same bytes with plain parallel multipart requests 
 Reports save and load throughput against raw put and get, and the async save's blocking time against a sync
 save. In the same run, torch's own path saves and loads the same state: DCP's FsspecWriter/FsspecReader (through
 s3fs, same endpoint and credentials, as many writer threads as ours) and dcp.async_save with that writer; its
-figures sit beside ours (`torch_*`; `save_vs_torch` > 1: ours is faster)."""
+figures sit beside ours (`torch_*`; `save_vs_torch` > 1: ours is faster).
+
+With `parallelism="fsdp"` the model is sharded with FSDP2 (elastic.parallel.fsdp, as session.prepare does): each
+rank saves and loads its own shards, the raw baseline puts and gets each rank's share, and `bytes_per_rank_ratio`
+is the most bytes any rank wrote over the checkpoint's total (1/W when the state is evenly sharded)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from pathlib import Path
 
 from elastic.checkpoint.checkpointer import ShardedCheckpointer
 from elastic.checkpoint.store import CheckpointStore
+from elastic.parallel.fsdp import local
 from elastic.storage import check_storage
 
 MB = 1024 * 1024
@@ -53,6 +58,8 @@ class CheckpointBench:
     save_vs_torch: float  # torch save time / our save time, paired median: > 1 means ours is faster
     load_vs_torch: float  # torch load time / our load time: likewise
     async_blocked_vs_torch: float  # torch's async blocking time / ours, paired median: > 1 means ours blocks less
+    parallelism: str = "ddp"
+    bytes_per_rank_ratio: float = 1.0  # the most bytes any rank wrote / the checkpoint's bytes
 
 
 def bench_model(size_mb: float, width: int = 1024, seed: int = 0):
@@ -89,7 +96,15 @@ def _timed(barrier, action) -> float:
 
 
 def _checkpoint_rank(
-    rank: int, world: int, port: int, run_uri: str, size_mb: float, repeats: int, out: str, env: dict
+    rank: int,
+    world: int,
+    port: int,
+    run_uri: str,
+    size_mb: float,
+    repeats: int,
+    out: str,
+    env: dict,
+    parallelism: str = "ddp",
 ) -> None:
     os.environ.update(env)
     import torch
@@ -106,6 +121,11 @@ def _checkpoint_rank(
     store = CheckpointStore(run_uri)
     checkpointer = ShardedCheckpointer(store, rank, world, group)
     model, optimizer = bench_model(size_mb)
+    if parallelism == "fsdp":
+        from elastic.config.spec import FsdpSpec
+        from elastic.parallel.fsdp import shard_model
+
+        shard_model(model, optimizer, FsdpSpec(), "fp32")  # each Linear+Tanh a unit; the optimizer rebound
     train_step(model, optimizer)
     optimizer.register_step_pre_hook(lambda *_: checkpointer.wait_staged())
 
@@ -120,22 +140,27 @@ def _checkpoint_rank(
             return [t for v in tree.values() for t in tensors(v)]
         return []
 
-    live = {p.untyped_storage().data_ptr() for p in model.parameters()} | {
-        t.untyped_storage().data_ptr()
-        for s in optimizer.state.values()
-        for t in s.values()
-        if isinstance(t, torch.Tensor)
+    storage = lambda tensor: local(tensor).untyped_storage().data_ptr()  # noqa: E731  (a DTensor: its shard)
+    live = {storage(p) for p in model.parameters()} | {
+        storage(t) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
     }
-    deferrable = lambda tensor: tensor.untyped_storage().data_ptr() in live  # noqa: E731
-    payload = torch.cat([t.flatten().float() for t in tensors(state())]).numpy().tobytes()
+    deferrable = lambda tensor: storage(tensor) in live  # noqa: E731
+    # ddp: the whole (replicated) state, of which each rank writes a share; fsdp: this rank's shards.
+    payload = torch.cat([local(t).detach().flatten().float() for t in tensors(state())]).numpy().tobytes()
     # The raw baseline: the same bytes, this rank's share, in as many objects at once as our save writes files.
     threads = checkpointer.threads_for(state())
-    share = len(payload) // world
-    mine = payload[rank * share : len(payload) if rank == world - 1 else (rank + 1) * share]
+    if parallelism == "fsdp":
+        mine = payload
+    else:
+        share = len(payload) // world
+        mine = payload[rank * share : len(payload) if rank == world - 1 else (rank + 1) * share]
     piece = -(-len(mine) // threads)
     raw = f"{store.root}/raw"
     objects = {f"{raw}/part-{rank}-{i}": mine[i * piece : (i + 1) * piece] for i in range(threads)}
-    every_object = [f"{raw}/part-{r}-{i}" for r in range(world) for i in range(threads)]
+    counts = [0] * world
+    dist.all_gather_object(counts, (threads, len(mine)))
+    every_object = [f"{raw}/part-{r}-{i}" for r in range(world) for i in range(counts[r][0])]
+    total_bytes = sum(n for _, n in counts)
     barrier = dist.barrier
     put = lambda: store.fs.pipe(objects)  # noqa: E731  (s3fs sends a batch concurrently)
     # torch's own path: its stock fsspec writer/reader on the same endpoint and credentials, as many threads
@@ -198,8 +223,8 @@ def _checkpoint_rank(
         store.fs.invalidate_cache(raw)
         for key in list(reads) if step % 2 else list(reversed(reads)):
             times[key].append(_timed(barrier, reads[key]))
-        equal &= all(torch.equal(a, b) for a, b in zip(tensors(template), expected))
-        equal &= all(torch.equal(a, b) for a, b in zip(tensors(torch_template), expected))
+        equal &= all(torch.equal(local(a), local(b)) for a, b in zip(tensors(template), expected))
+        equal &= all(torch.equal(local(a), local(b)) for a, b in zip(tensors(torch_template), expected))
         barrier()
         if rank == 0:  # untimed: keep the endpoint's memory from growing over the repeats
             store.fs.rm(raw, recursive=True)
@@ -215,6 +240,11 @@ def _checkpoint_rank(
     if rank == 0:
         info = store.info(2 * repeats - 1)
         medians = {key: statistics.median(values) for key, values in times.items()}
+        by_rank: dict[str, int] = {}
+        for name, size in info.files.items():  # DCP names a rank's files __<rank>_<n>.distcp
+            if name.endswith(".distcp"):
+                rank_of = name.rsplit("/", 1)[-1].split("_")[2]
+                by_rank[rank_of] = by_rank.get(rank_of, 0) + size
         Path(out).write_text(
             json.dumps(
                 {
@@ -222,8 +252,9 @@ def _checkpoint_rank(
                     "times": times,
                     "committed": committed,
                     "shards": info.shards,
-                    "bytes": len(payload),
+                    "bytes": total_bytes,
                     "equal": all(equal_all),
+                    "bytes_per_rank_ratio": max(by_rank.values()) / max(1, sum(by_rank.values())),
                 }
             )
         )
@@ -232,7 +263,9 @@ def _checkpoint_rank(
     dist.destroy_process_group()
 
 
-def bench_checkpoint(uri: str, size_mb: float = 256, workers: int = 2, repeats: int = 7) -> CheckpointBench:
+def bench_checkpoint(
+    uri: str, size_mb: float = 256, workers: int = 2, repeats: int = 7, parallelism: str = "ddp"
+) -> CheckpointBench:
     import torch.multiprocessing as mp
 
     check_storage(uri)
@@ -242,7 +275,7 @@ def bench_checkpoint(uri: str, size_mb: float = 256, workers: int = 2, repeats: 
         out = f"{tmp}/result.json"
         mp.spawn(
             _checkpoint_rank,
-            args=(workers, _free_port(), run_uri, size_mb, repeats, out, env),
+            args=(workers, _free_port(), run_uri, size_mb, repeats, out, env, parallelism),
             nprocs=workers,
             join=True,
         )
@@ -287,6 +320,8 @@ def bench_checkpoint(uri: str, size_mb: float = 256, workers: int = 2, repeats: 
         save_vs_torch=paired("torch_save_s", "save_s"),
         load_vs_torch=paired("torch_load_s", "load_s"),
         async_blocked_vs_torch=paired("torch_blocked_s", "blocked_s"),
+        parallelism=parallelism,
+        bytes_per_rank_ratio=round(raw["bytes_per_rank_ratio"], 3),
     )
 
 

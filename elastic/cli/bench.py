@@ -45,7 +45,14 @@ def _show_bench(title: str, result: dict, ratios: dict[str, float]) -> None:
     console.print(table)
     for key, target in ratios.items():
         value = result[key]
-        lower = key in ("stall_ratio", "overhead_ratio", "ckpt_overhead_ratio", "recovery_ratio", "read_amplification")
+        lower = key in (
+            "stall_ratio",
+            "overhead_ratio",
+            "ckpt_overhead_ratio",
+            "recovery_ratio",
+            "read_amplification",
+            "bytes_per_rank_ratio",
+        )
         ok = value <= target if lower else value >= target
         console.print(f"{key} = {value} ({'meets' if ok else 'MISSES'} the target {'<=' if lower else '>='} {target})")
 
@@ -61,26 +68,51 @@ def _show_bench(title: str, result: dict, ratios: dict[str, float]) -> None:
     type=click.IntRange(1),
     help="Timed repeats; ratios are the median of each repeat's paired ratio.",
 )
+@click.option(
+    "--parallelism",
+    type=click.Choice(["ddp", "fsdp"]),
+    default="ddp",
+    show_default=True,
+    help="fsdp: the state sharded with FSDP2 (each rank saves its own shards), measured beside ddp in the same run.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @remote_options
 def bench_checkpoint_cmd(
-    uri: str | None, size_mb: float, workers: int, repeats: int, as_json: bool, address: str | None, detach: bool
+    uri: str | None,
+    size_mb: float,
+    workers: int,
+    repeats: int,
+    parallelism: str,
+    as_json: bool,
+    address: str | None,
+    detach: bool,
 ) -> None:
     """Sharded async save and load against raw parallel multipart put/get of the same bytes, with torch's own
     path (DCP's FsspecWriter/FsspecReader and dcp.async_save) measured beside ours in the same run (torch_*).
 
     \b
-    Example:
+    Examples:
       elastic bench checkpoint --size-mb 256 --workers 2 --json
+      elastic bench checkpoint --parallelism fsdp --json   # bytes_per_rank_ratio, and the ratios beside ddp's
     """
 
     def measure() -> dict:
         from elastic.bench.checkpointing import bench_checkpoint
 
-        return asdict(bench_checkpoint(_bench_target(uri, "bench"), size_mb=size_mb, workers=workers, repeats=repeats))
+        target = _bench_target(uri, "bench")
+        result = asdict(bench_checkpoint(target, size_mb, workers, repeats, parallelism=parallelism))
+        if parallelism == "fsdp":  # the same state under ddp, in the same run: the ratios side by side
+            ddp = asdict(bench_checkpoint(target, size_mb, workers, repeats, parallelism="ddp"))
+            result["ddp"] = {k: ddp[k] for k in ("throughput_ratio", "load_ratio", "stall_ratio", "size_mb")}
+            result["throughput_ratio_vs_ddp"] = round(result["throughput_ratio"] - ddp["throughput_ratio"], 3)
+            result["load_ratio_vs_ddp"] = round(result["load_ratio"] - ddp["load_ratio"], 3)
+        return result
 
     def show(result: dict) -> None:
-        _show_bench("checkpoint", result, {"throughput_ratio": 0.9, "load_ratio": 0.9, "stall_ratio": 0.02})
+        targets = {"throughput_ratio": 0.9, "load_ratio": 0.9, "stall_ratio": 0.02}
+        if parallelism == "fsdp":
+            targets["bytes_per_rank_ratio"] = round(1 / workers + 0.05, 3)
+        _show_bench("checkpoint", result, targets)
 
     _run_bench("checkpoint", address, detach, as_json, measure, show)
 

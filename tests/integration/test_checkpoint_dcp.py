@@ -698,11 +698,15 @@ def test_retain_never_deletes_a_checkpoint_another_process_committed(s3_env):
 # d) the checkpoint benchmark users run against their own bucket works end to end
 
 
-def test_checkpoint_benchmark_measures_and_loads_back_exactly(s3_env):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_checkpoint_benchmark_measures_and_loads_back_exactly(s3_env, parallelism):
     from elastic.bench.checkpointing import bench_checkpoint
 
-    result = bench_checkpoint(f"s3://{BUCKET}/bench", size_mb=8, workers=2, repeats=2)
+    result = bench_checkpoint(f"s3://{BUCKET}/bench", size_mb=8, workers=2, repeats=2, parallelism=parallelism)
     assert result.loaded_equal, "the benchmark's load did not give back the saved state"
+    assert result.parallelism == parallelism
+    if parallelism == "fsdp":  # each rank wrote its own shards: about half the checkpoint each
+        assert result.bytes_per_rank_ratio <= 0.5 + 0.05, result.bytes_per_rank_ratio
     assert len(result.throughput_ratios) == len(result.load_ratios) == result.repeats == 2
     assert min(result.throughput_ratios) <= result.throughput_ratio <= max(result.throughput_ratios)
     assert result.workers == 2 and result.size_mb >= 8 and result.shards >= 2  # whole layers: 12 MB at least
