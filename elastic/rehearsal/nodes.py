@@ -105,11 +105,20 @@ def run_commands(node: RehearsedNode, phase: str | None = None) -> list[dict]:
         if code != 0:
             raise NodeCommandFailed(
                 f"{node.role} node: {command.phase} command {index + 1} exited {code}: "
-                f"{_first_line(command.command)} (log: {node.log_path})"
+                f"{_first_line(command.command)} (log: {node.log_path}){_tail(node.log_path)}"
             )
         if command.phase == "start" and node.node_id is None:
             node.node_id = find_node_id(node.temp_dir)
     return results
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    """The command's last lines, so a failure on a machine whose files are gone (CI) still says why."""
+    try:
+        text = path.read_text(errors="replace").rstrip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return "\n" + "\n".join("  | " + line[:300] for line in text)
 
 
 def _first_line(command: str, width: int = 100) -> str:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from elastic.local import processes, s3servers
 from elastic.local.metadata_server import ADMIN_PREFIX, post_admin
-from elastic.local.stack import free_port
+from elastic.local.stack import free_port, port_is_free
 from elastic.local.state import LOCAL_AWS_KEY
 from elastic.rehearsal import nodes as node_ops
 from elastic.rehearsal import shims
@@ -155,12 +155,12 @@ class _Rehearsal:
             phase.detail["copied"] = mounts[HEAD]
         head = self.nodes[HEAD]
         with self.phase("head") as phase:
-            phase.detail["commands"] = node_ops.run_commands(head)
+            phase.detail["commands"] = self._run_node(head)
             self._wait_for_job_api()
         self._share_venv()
         for role in (SPOT, ON_DEMAND):
             with self.phase(role) as phase:
-                phase.detail["commands"] = node_ops.run_commands(self.nodes[role])
+                phase.detail["commands"] = self._run_node(self.nodes[role])
                 phase.detail["labels"] = self._wait_for_node(self.nodes[role])
         with self.phase("watcher") as phase:
             phase.detail.update(self._kill_the_watcher())
@@ -253,6 +253,36 @@ class _Rehearsal:
             self.nodes[role] = node
         for role in self.nodes:
             (self.state_dir / role).mkdir(parents=True, exist_ok=True)
+
+    def _run_node(self, node: node_ops.RehearsedNode) -> list[dict]:
+        """Setup commands, then the start commands with every port they bind still free: the ports were
+        picked before the setup commands ran (minutes of pip installs), and any other process of this host may
+        have bound one since (a CI machine runs other Ray clusters beside the rehearsal)."""
+        results = node_ops.run_commands(node, "setup")
+        self._reclaim_taken_ports(node)
+        return results + node_ops.run_commands(node, "start")
+
+    def _reclaim_taken_ports(self, node: node_ops.RehearsedNode) -> None:
+        taken = [flag for flag, port in node.ports.items() if not port_is_free(port)]
+        for flag in taken:
+            log.info("%s node: port %d (--%s) was taken meanwhile; using another", node.role, node.ports[flag], flag)
+            node.ports[flag] = free_port()
+        shared = []
+        if node.role == HEAD:  # the config's fixed ports (the GCS port among them) are bound by the head
+            shared = [fixed for fixed, mapped in self.ports.fixed.items() if not port_is_free(mapped)]
+            for fixed in shared:
+                log.info(
+                    "port %d (for the config's %d) was taken meanwhile; using another", self.ports.fixed[fixed], fixed
+                )
+                self.ports.fixed[fixed] = free_port()
+        if not taken and not shared:
+            return
+        for other in self.nodes.values() if shared else (node,):
+            if other.role != HEAD:
+                other.env["RAY_ADDRESS"] = f"127.0.0.1:{self.ports.map(6379)}"
+            other.commands = plan_node(
+                self.config, other.node_type, self.ports, other.ports, str(other.temp_dir), "127.0.0.1"
+            )
 
     def _share_venv(self) -> None:
         """Workers use the head's venv (one install per rehearsal): their `test -x ~/elastic-venv/bin/python`
