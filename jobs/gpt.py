@@ -42,6 +42,11 @@ def memory_estimate(size: str, parallelism: str, world_size: int) -> str:
     return f"{size}: {shown} parameters with AdamW, {parallelism} at world size {world_size}: {state.describe()}"
 
 
+def planned_model(config: dict) -> dict:
+    """What `elastic submit` checks against the GPUs the workers get (refusing a run that cannot fit)."""
+    return {"parameters": parameters_of(config.get("size", "tiny")), "optimizer": "AdamW"}
+
+
 class Block(nn.Module):
     def __init__(self, width: int, heads: int, dropout: float):
         super().__init__()

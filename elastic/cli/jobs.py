@@ -50,6 +50,7 @@ def submit_cmd(
     from elastic.driver import submit
 
     spec = load_job_spec(job_file, overrides)
+    submit.check_spec(spec, working_dir, str(job_file))
     target = submit.resolve_target(address)
     submitted = submit.submit(spec, target, suffix=suffix, working_dir=working_dir, spec_source=str(job_file))
     if as_json:

@@ -65,6 +65,14 @@ class WorkersSpec(_Frozen):
         description="spot-first: once on on-demand, move the workers to spot at the next checkpoint when spot "
         "capacity returns (no step is lost: the run resumes from that checkpoint).",
     )
+    gpu_memory_gb: Optional[float] = Field(
+        default=None,
+        gt=0,
+        le=1024,
+        description="GPU memory a worker gets, in GB; with a job that plans its model (a `planned_model(config)` "
+        "in its entrypoint's module), `submit` refuses a run whose training state cannot fit it. Without it, "
+        "taken from the GPU type Ray reports for the cluster's nodes.",
+    )
     regrow_after_seconds: float = Field(
         default=10.0,
         ge=0,

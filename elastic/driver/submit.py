@@ -20,6 +20,7 @@ from elastic.checkpoint.store import run_directory
 from elastic.config.entrypoint import check_entrypoint
 from elastic.config.spec import JobSpec
 from elastic.driver.auth import auth_failure
+from elastic.driver.memory_plan import check_memory
 from elastic.errors import ClusterError, UserError
 from elastic.local import stack as local
 from elastic.logs import LEVEL_VARIABLE
@@ -102,12 +103,14 @@ def submit(
 ) -> Submitted:
     """`spec_source`: the job file, named in the error line of a bad entrypoint."""
     working_dir = (working_dir or Path.cwd()).resolve()
-    check_entrypoint(spec, working_dir, spec_source)
+    check_spec(spec, working_dir, spec_source)
     run_name = spec.run_name(suffix)
     if check_bucket:
         _check_storage_from_client(spec, target)
     jobs = client(target)
     nodes = live_nodes(target)
+    if spec.workers.gpu_memory_gb is None:  # the GPU types the cluster's nodes report
+        check_memory(spec, working_dir, nodes, spec_source)
     _check_fits(spec, target, nodes or [], spec_source)
     running = [j for j in _run_jobs(jobs, run_name) if j.status not in TERMINAL]
     if running:
@@ -131,6 +134,15 @@ def submit(
         entrypoint_label_selector=driver_placement(target, nodes),
     )
     return Submitted(job_id=job_id, run_name=run_name, address=target.address)
+
+
+def check_spec(spec: JobSpec, working_dir: Path | None = None, spec_source: str | None = None) -> None:
+    """What is checked before any cluster is asked anything: the entrypoint, and the model's memory plan when
+    the spec says the GPU's memory (a refusal needs no cluster)."""
+    working_dir = (working_dir or Path.cwd()).resolve()
+    check_entrypoint(spec, working_dir, spec_source)
+    if spec.workers.gpu_memory_gb is not None:
+        check_memory(spec, working_dir, None, spec_source)
 
 
 def live_nodes(target: Target) -> list[NodeView] | None:
