@@ -1,5 +1,6 @@
 """`elastic bench overhead`: one Ray Train run with W workers trains the same model on the same data through a
-bare DDP loop and through the harness (checkpoints off; then async checkpoints every 20 steps), in short blocks
+bare DDP loop (or, with parallelism fsdp, a bare FSDP2 loop: `fully_shard` on each layer and the root) and
+through the harness (checkpoints off; then async checkpoints every 20 steps), in short blocks
 that rotate through the variants, so that drift on a shared machine hits every variant alike. Reports step-time
 ratios taken within each round of blocks (median over rounds). A fourth variant, the bare loop plus a raw PUT of
 the same bytes at the same interval, is the floor: what moving the bytes alone costs the training."""
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from elastic import logs
 from elastic.checkpoint.store import CheckpointStore, run_directory
 from elastic.config.spec import JobSpec
+from elastic.parallel.fsdp import local
 from elastic.storage import check_storage, pyarrow_filesystem
 from elastic.worker.session import Session
 
@@ -25,6 +27,7 @@ OVERHEAD_RESULT = "bench-overhead.json"
 @dataclass
 class OverheadBench:
     workers: int
+    parallelism: str  # ddp or fsdp, the bare loop and the harness alike
     rounds: int
     steps_per_block: int
     bare_step_ms: float
@@ -57,7 +60,9 @@ def _overhead_worker(config: dict) -> None:
     staging, its background upload competing for the CPU, its commit) is inside some timed block."""
     import torch
     import torch.distributed as dist
+    import torch.nn as nn
     import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -73,7 +78,15 @@ def _overhead_worker(config: dict) -> None:
     data = TensorDataset(torch.randn(samples, width), torch.randint(0, 10, (samples,)))
 
     # The bare baseline: what a user writes with Ray Train and plain PyTorch.
-    bare_model = DistributedDataParallel(_bench_model(width))
+    fsdp = config["parallelism"] == "fsdp"
+    if fsdp:
+        bare_model = _bench_model(width)
+        for layer in bare_model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(bare_model)
+    else:
+        bare_model = DistributedDataParallel(_bench_model(width))
     bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=1e-3)
     bare_loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, world, rank, seed=0))
 
@@ -90,7 +103,9 @@ def _overhead_worker(config: dict) -> None:
         )
         session = Session(spec, config["run_names"][str(every_steps)])
         model = _bench_model(width)
-        model, optimizer = session.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        # Under fsdp the harness shards the same units as the bare loop (each layer, then the root).
+        shard = (nn.Linear,) if fsdp else None
+        model, optimizer = session.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), shard=shard)
         loader = session.loader(data, batch_size=batch, seed=0)
 
         def one_step(batch_data) -> None:
@@ -122,12 +137,12 @@ def _overhead_worker(config: dict) -> None:
         if raw_put["count"] % every == 0:
             wait_raw_put()
             if raw_put["payload"] is None:  # built once, untimed: the floor counts the transfer alone
-                state = [p.detach() for p in bare_model.parameters()] + [
-                    t for s in bare_opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()
+                state = [local(p.detach()) for p in bare_model.parameters()] + [
+                    local(t) for s in bare_opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()
                 ]
                 flat = torch.cat([t.flatten().float() for t in state]).numpy().tobytes()
-                share = len(flat) // world
-                raw_put["payload"] = flat[rank * share : (rank + 1) * share]
+                share = len(flat) if fsdp else len(flat) // world  # fsdp: this rank's shards are its share
+                raw_put["payload"] = flat[rank * share : (rank + 1) * share] if not fsdp else flat
             raw_put["thread"] = threading.Thread(
                 target=saving.store.fs.pipe_file, args=(raw_path, raw_put["payload"]), daemon=True
             )
@@ -195,6 +210,7 @@ def bench_overhead(
     every_steps: int = 20,
     width: int = 1024,
     batch: int = 256,
+    parallelism: str = "ddp",
 ) -> OverheadBench:
     import ray
     from ray.train import RunConfig, ScalingConfig
@@ -202,13 +218,14 @@ def bench_overhead(
 
     check_storage(uri)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    name = f"bench-overhead-{stamp}"
+    name = f"bench-overhead-{parallelism}-{stamp}"
     spec = JobSpec.model_validate(
         {
             "name": "bench-overhead",
             "entrypoint": "elastic.bench.overhead:unused",
             "workers": {"min": workers, "cpus": 1},
             "checkpoint": {"uri": uri, "every_steps": every_steps, "keep": 2},
+            "train": {"parallelism": parallelism},
         }
     )
     ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
@@ -222,6 +239,7 @@ def bench_overhead(
             "steps": steps,
             "rounds": rounds,
             "every_steps": every_steps,
+            "parallelism": parallelism,
             # Both harness variants report into this run's folder; separate subfolders keep
             # their checkpoints apart.
             "run_names": {str(10**9): name, str(every_steps): name},
@@ -244,6 +262,7 @@ def bench_overhead(
     per_step = 1000
     return OverheadBench(
         workers=workers,
+        parallelism=parallelism,
         rounds=rounds,
         steps_per_block=steps,
         bare_step_ms=round(bare * per_step, 3),

@@ -136,6 +136,13 @@ def bench_checkpoint_cmd(
 )
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(8), help="MLP width (model size).")
 @click.option("--batch", default=256, show_default=True, type=click.IntRange(1), help="Batch per worker.")
+@click.option(
+    "--parallelism",
+    type=click.Choice(["ddp", "fsdp"]),
+    default="ddp",
+    show_default=True,
+    help="fsdp: the bare loop is FSDP2 (fully_shard on each layer and the root) and the harness runs fsdp.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @remote_options
 def bench_overhead_cmd(
@@ -145,11 +152,12 @@ def bench_overhead_cmd(
     steps: int,
     width: int,
     batch: int,
+    parallelism: str,
     as_json: bool,
     address: str | None,
     detach: bool,
 ) -> None:
-    """Harness step time against a bare Ray Train DDP loop: checkpoints off, and async every 20 steps.
+    """Harness step time against a bare Ray Train DDP (or FSDP2) loop: checkpoints off, and async every 20 steps.
 
     \b
     Example:
@@ -160,7 +168,11 @@ def bench_overhead_cmd(
         from elastic.bench.overhead import bench_overhead
 
         target = _bench_target(uri, "bench")
-        return asdict(bench_overhead(target, workers=workers, rounds=rounds, steps=steps, width=width, batch=batch))
+        return asdict(
+            bench_overhead(
+                target, workers=workers, rounds=rounds, steps=steps, width=width, batch=batch, parallelism=parallelism
+            )
+        )
 
     def show(result: dict) -> None:
         _show_bench("overhead", result, {"overhead_ratio": 1.02, "ckpt_overhead_ratio": 1.05})
