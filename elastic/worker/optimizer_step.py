@@ -88,7 +88,11 @@ class NoScaler:
 
 
 def grad_scaler(precision: str, device: torch.device):
-    """fp16 needs loss scaling (its range underflows small gradients); bf16 and fp32 do not."""
+    """fp16 needs loss scaling (its range underflows small gradients); bf16 and fp32 do not.
+
+    Under fsdp each rank holds its own slice of the gradients, so only one rank may see an overflow: the plain
+    GradScaler still keeps the ranks together, as DTensor all-reduces the overflow finding of its unscale op
+    (torch.distributed.tensor's found_inf_reduce_handler); a test forces the case."""
     return torch.amp.GradScaler(device.type) if precision == "fp16" else NoScaler()
 
 

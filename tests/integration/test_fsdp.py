@@ -150,6 +150,8 @@ def _rank(rank: int, world: int, store_file: str, root: str, out: str, job: str)
         model, optimizer, stepper, state = _parts("fsdp")
         state.load_state_dict(ddp_checkpointer.load(1, state.template()))
         report["ddp_under_fsdp"] = _full(state)
+    elif job == "fp16":
+        report.update(_fp16_overflow_on_one_shard(rank))
     else:  # "reshard": the fsdp checkpoint at step 3 loaded by a world of `world` (1)
         model, optimizer, stepper, state = _parts("fsdp")
         checkpointer = ShardedCheckpointer(CheckpointStore(f"{root}/fsdp"), rank, world, group)
@@ -157,8 +159,41 @@ def _rank(rank: int, world: int, store_file: str, root: str, out: str, job: str)
         report["loaded"] = _full(state)
     if rank == 0:
         Path(out).write_text(json.dumps(report))
-    del model, optimizer, stepper, state
+    model = optimizer = stepper = state = None  # dropped before the process group goes
     dist.destroy_process_group()
+
+
+def _fp16_overflow_on_one_shard(rank: int) -> dict:
+    """fp16 under fsdp: an overflow in rank 0's slice of the gradients only (as a large gradient in one
+    shard's rows gives). Every rank must skip that step and halve its scale alike."""
+    import torch.distributed as dist
+
+    from elastic.parallel.fsdp import local
+
+    model, optimizer, stepper, state = _parts("fsdp", "fp16")
+    _train(model, stepper, state, rank, 1, 5)  # the first steps overflow at the initial scale, then it settles
+    settled = _full(state)["model"]
+    _train(model, stepper, state, rank, 6, 6)
+    applied_before = _full(state)["model"] != settled  # else the overflow below proves nothing
+    unscale = stepper.scaler.unscale_
+
+    def overflow_on_rank_0(opt):
+        if rank == 0:
+            local(model.head.weight.grad).view(-1)[0] = float("inf")
+        return unscale(opt)
+
+    stepper.scaler.unscale_ = overflow_on_rank_0
+    before, scale_before = _full(state)["model"], stepper.scaler.get_scale()
+    _train(model, stepper, state, rank, 7, 7)
+    stepper.scaler.unscale_ = unscale
+    skipped = _full(state)["model"] == before
+    after = stepper.scaler.get_scale()
+    _train(model, stepper, state, rank, 8, 9)  # and training goes on from there
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(
+        seen, {"applied_before": applied_before, "skipped": skipped, "scale": after, "before": scale_before}
+    )
+    return {"fp16": seen, "fp16_moved_on": _full(state)["model"] != before}
 
 
 def _spawn(tmp_path: Path, world: int, job: str) -> dict:
@@ -200,3 +235,16 @@ def test_fsdp_resumes_bit_identical_shards_state_and_loads_across_world_sizes_an
     assert resharded["loaded"] == plain == trained["saved_at_resume"]
     assert plain["model"] != trained["straight"]["model"]  # step 3 is not the end: the comparisons can fail
     assert isinstance(model, torch.nn.Module) and not hasattr(model, "set_requires_gradient_sync")
+
+
+def test_an_fp16_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path):
+    """Each rank checks only its own slice of the sharded gradients for an overflow: the finding is agreed
+    (DTensor all-reduces it in GradScaler's unscale), so no rank steps while another skips, and the scales stay
+    equal."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    result = _spawn(tmp_path, 2, "fp16")
+    ranks = result["fp16"]
+    assert [r["applied_before"] for r in ranks] == [True, True], ranks  # steps were applying
+    assert [r["skipped"] for r in ranks] == [True, True], ranks
+    assert ranks[0]["scale"] == ranks[1]["scale"] == ranks[0]["before"] / 2, ranks  # halved alike
+    assert result["fp16_moved_on"]
