@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU-sharing benchmark on one real GPU, in under 5 minutes: the same 8 small trials swept with
 # `gpu_share: auto` (probe -> trials per GPU -> memory caps) and with whole-GPU trials, side by side in one run.
+# Before it, bench/fsdp_gpu.py checks one FSDP2 step (NCCL, bf16) and a DCP save/load on the device.
 # Prints trials per hour, mean GPU utilization (nvidia-smi), OOM retries and errors of each, and the speedup.
 #
 #   bench/packing_gpu.sh            # on a CUDA machine with the project's venv (CUDA build of torch)
@@ -20,6 +21,8 @@ else
   "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA: use DRY=1 on CPU")'
   nvidia-smi --query-gpu=name,memory.total,utilization.gpu --format=csv
 fi
+# FSDP2 + NCCL + bf16 on the device first: a sharded step, a DCP save and an exact load (fsdp_gpu.json).
+"$PY" bench/fsdp_gpu.py
 cleanup() { "$PY" -m elastic local down >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 # one on-demand worker node with the machine's GPU (or a logical one on CPU) and all its CPUs

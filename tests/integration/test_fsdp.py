@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -248,3 +249,19 @@ def test_an_fp16_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_pa
     assert [r["skipped"] for r in ranks] == [True, True], ranks
     assert ranks[0]["scale"] == ranks[1]["scale"] == ranks[0]["before"] / 2, ranks  # halved alike
     assert result["fp16_moved_on"]
+
+
+def test_the_gpu_check_of_an_fsdp2_step_runs_dry_on_cpu(tmp_path):
+    """bench/fsdp_gpu.py (run on a lent GPU with NCCL and bf16) dry on CPU with gloo: a sharded step, the state
+    measured as planned, a DCP save loaded back exactly."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DRY": "1", "OUT": str(tmp_path), "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run(
+        [sys.executable, "bench/fsdp_gpu.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "fsdp_gpu.json").read_text())
+    assert result["backend"] == "gloo" and result["loaded_exact"] is True
+    assert result["state_mb_measured"] == pytest.approx(result["state_mb_planned"], rel=0.02), result
