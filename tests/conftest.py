@@ -1,10 +1,26 @@
 """Runs with pytest-xdist (`make test`: -n 2): each integration module stays whole on one worker, in its order
 (its tests share the module's stack and some build on the one before), while everything else is spread test by
-test over both workers."""
+test over both workers. The longest modules start first (the unit tests fill the end), and the run ends with
+each module's total seconds, to keep MODULE_SECONDS current."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 INTEGRATION = "tests/integration/"
+
+# Seconds each integration module took in CI (setup included), from the "seconds per module" summary. Longest
+# first is how two workers finish together: a long module started late is the run's tail. A module not listed
+# goes after these, in collection order.
+MODULE_SECONDS = {
+    "test_submit_digits.py": 1500,
+    "test_preemption_e2e.py": 950,
+    "test_local_lifecycle.py": 800,
+    "test_sweep.py": 650,
+    "test_cluster_rehearsal.py": 460,
+    "test_chaos_soak.py": 320,
+    "test_spot_first.py": 320,
+}
 
 
 def integration_scope(nodeid: str) -> str:
@@ -12,6 +28,42 @@ def integration_scope(nodeid: str) -> str:
     if nodeid.startswith(INTEGRATION):
         return nodeid.split("::", 1)[0]
     return nodeid
+
+
+def longest_first(nodeids: list[str]) -> list[str]:
+    """Integration modules by MODULE_SECONDS (longest first, each module's tests in their order), then the other
+    integration modules, then everything else, each group in collection order."""
+
+    def key(indexed: tuple[int, str]) -> tuple[int, float, int]:
+        index, nodeid = indexed
+        if not nodeid.startswith(INTEGRATION):
+            return (2, 0.0, index)
+        module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+        if module in MODULE_SECONDS:
+            return (0, -MODULE_SECONDS[module], index)
+        return (1, 0.0, index)
+
+    return [nodeid for _, nodeid in sorted(enumerate(nodeids), key=key)]
+
+
+def pytest_collection_modifyitems(config, items):
+    order = {nodeid: i for i, nodeid in enumerate(longest_first([item.nodeid for item in items]))}
+    items.sort(key=lambda item: order[item.nodeid])
+
+
+_module_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    if report.nodeid.startswith(INTEGRATION):
+        _module_seconds[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _module_seconds:
+        terminalreporter.write_sep("=", "seconds per integration module (setup, call and teardown)")
+        for module, seconds in sorted(_module_seconds.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{seconds:8.1f}s {module}")
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -24,4 +76,5 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return integration_scope(nodeid)
 
+    config.option.loadscopereorder = False  # keep longest_first's order (xdist would sort by number of tests)
     return IntegrationModulesWhole(config, log)

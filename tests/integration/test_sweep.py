@@ -2,7 +2,8 @@
 
 1. packing: 4 trials at share 0.25 hold one GPU at once (elastic bench packing, through the real sweep path);
 2. out of memory: trials that hit an (injected) OOM at share 0.25 are retried at 0.5 and resume from their
-   checkpoint; the 2-rank DDP trial's ranks sit on different GPUs, before and after;
+   checkpoint; the trials train sharded (fsdp), and the 2-rank trial's ranks sit on different GPUs, before and
+   after;
 3. ASHA stops bad trials early, and a sweep whose driver is killed resumes when run again: finished trials
    are not redone, and an interrupted trial resumes from its checkpoint.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -123,7 +125,7 @@ def test_a_sweep_runs_from_a_laptop_through_the_job_api(stack, monkeypatch):
     assert "elastic sweep jobs/digits_sweep.yaml" in drivers[0].entrypoint
 
 
-def test_out_of_memory_retried_with_bigger_share_and_ddp_ranks_on_distinct_gpus(stack, tmp_path):
+def test_out_of_memory_retried_with_bigger_share_and_fsdp_ranks_on_distinct_gpus(stack, tmp_path):
     name = f"oom-{uuid.uuid4().hex[:6]}"
     sweep = write_sweep(
         tmp_path,
@@ -134,6 +136,7 @@ overrides:
   workers: {{max: null, cpus: 0.25}}
   config: {{epochs: 1}}
   checkpoint: {{every_steps: 5}}
+  train: {{parallelism: fsdp}}   # sharded trials: each resume loads the shards of its own world size
   failure: {{max_failures: 0}}
   runtime_env: {{env_vars: {{ELASTIC_INJECT_OOM: "12:0.5"}}}}   # OOM after step 12 below a 0.5 share
 space:
@@ -156,6 +159,12 @@ gpu_share: 0.25
     fs = storage(stack)
     gpus = read(fs, f"elastic/runs/{name}/train/{name}-{trials[2]['trial_id']}/gpus.json")
     assert len(gpus) == 2 and len({(g["node"], tuple(g["gpus"])) for g in gpus}) == 2, gpus
+    # It trained sharded: its checkpoint holds the model's tensors in two shards, one a rank (ddp: one chunk).
+    steps = sorted(fs.glob(f"elastic/runs/{name}/train/{name}-{trials[2]['trial_id']}/step-*/.metadata"))
+    with fs.open(steps[-1], "rb") as handle:
+        metadata = pickle.load(handle)  # DCP's own metadata file (torch.distributed.checkpoint.Metadata)
+    chunks = {k: len(m.chunks) for k, m in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    assert chunks and max(chunks.values()) == 2, chunks
 
     # The sweep's report, from its ledger and its trials' ledgers.
     proc = stack["cli"].run("report", name, "--json", timeout=120)
