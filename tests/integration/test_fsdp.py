@@ -15,9 +15,11 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 
 pytestmark = pytest.mark.integration
+
+# Not conftest's ROOT: mp.spawn's children import this module again, where `conftest` may be another one.
+ROOT = Path(__file__).resolve().parents[2]
 
 STEPS, RESUME_AT = 6, 3
 WIDTH = 256  # ~0.8 MB of parameters, 2.4 MB with AdamW: the tensors, not per-file overhead, size the shards
