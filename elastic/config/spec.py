@@ -260,6 +260,15 @@ class JobSpec(_Frozen):
     runtime_env: RuntimeEnvSpec = Field(default_factory=RuntimeEnvSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
 
+    @model_validator(mode="after")
+    def _offload_needs_gpus(self) -> JobSpec:
+        if self.train.parallelism == "fsdp" and self.train.fsdp.cpu_offload and self.workers.gpus == 0:
+            raise ValueError(
+                "train.fsdp.cpu_offload moves the sharded state from GPUs to host memory, and these workers have no "
+                "GPU (workers.gpus: 0): set cpu_offload: false, or give the workers GPUs"
+            )
+        return self
+
     def run_name(self, suffix: str | None = None) -> str:
         """Deterministic run name: submitting the same job (and suffix) again resumes the same run."""
         if not suffix:

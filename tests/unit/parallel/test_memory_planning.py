@@ -80,3 +80,14 @@ def test_a_broken_plan_hook_is_one_line_naming_it(tmp_path, cli_entry, monkeypat
     monkeypatch.chdir(tmp_path)
     done = cli_entry("submit", "job.yaml")
     assert done.returncode == 2 and "planned_model(config) returned 'big'" in done.stderr, done.stderr
+
+
+def test_cpu_offload_without_gpus_is_refused_with_one_line(cli_entry, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    done = cli_entry("spec", "check", "jobs/gpt.yaml", "--set", "train.fsdp.cpu_offload=true")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "cpu_offload" in done.stderr and "workers.gpus" in done.stderr, done.stderr
+    fine = cli_entry(
+        "spec", "check", "jobs/gpt.yaml", "--set", "train.fsdp.cpu_offload=true", "--set", "workers.gpus=1"
+    )
+    assert fine.returncode == 0, fine.stderr
