@@ -57,6 +57,16 @@ def _show_bench(title: str, result: dict, ratios: dict[str, float]) -> None:
         console.print(f"{key} = {value} ({'meets' if ok else 'MISSES'} the target {'<=' if lower else '>='} {target})")
 
 
+def parallelism_option(fsdp_means: str):
+    return click.option(
+        "--parallelism",
+        type=click.Choice(["ddp", "fsdp"]),
+        default="ddp",
+        show_default=True,
+        help=f"fsdp: {fsdp_means}.",
+    )
+
+
 @bench_group.command("checkpoint")
 @click.option("--uri", help="Where to write (default: the local stack's s3://BUCKET/bench).")
 @click.option("--size-mb", default=256.0, show_default=True, type=click.FloatRange(min=1), help="State size.")
@@ -68,12 +78,8 @@ def _show_bench(title: str, result: dict, ratios: dict[str, float]) -> None:
     type=click.IntRange(1),
     help="Timed repeats; ratios are the median of each repeat's paired ratio.",
 )
-@click.option(
-    "--parallelism",
-    type=click.Choice(["ddp", "fsdp"]),
-    default="ddp",
-    show_default=True,
-    help="fsdp: the state sharded with FSDP2 (each rank saves its own shards), measured beside ddp in the same run.",
+@parallelism_option(
+    "the state sharded with FSDP2 (each rank saves its own shards), measured beside ddp in the same run"
 )
 @click.option("--json", "as_json", is_flag=True)
 @remote_options
@@ -136,13 +142,7 @@ def bench_checkpoint_cmd(
 )
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(8), help="MLP width (model size).")
 @click.option("--batch", default=256, show_default=True, type=click.IntRange(1), help="Batch per worker.")
-@click.option(
-    "--parallelism",
-    type=click.Choice(["ddp", "fsdp"]),
-    default="ddp",
-    show_default=True,
-    help="fsdp: the bare loop is FSDP2 (fully_shard on each layer and the root) and the harness runs fsdp.",
-)
+@parallelism_option("the bare loop is FSDP2 (fully_shard on each layer and the root) and the harness runs fsdp")
 @click.option("--json", "as_json", is_flag=True)
 @remote_options
 def bench_overhead_cmd(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -200,3 +201,13 @@ def kill_trees(roots: list[Launched]) -> int:
         _signal(each, signal.SIGKILL)
     psutil.wait_procs(list(procs.values()), timeout=5)
     return len(procs)
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a listener could bind this loopback port now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,17 +72,8 @@ def _admin_ports(free_port: Callable[[], int]) -> list[str]:
     (seaweedfs 4.48), so the gRPC port is chosen as exactly that, and free."""
     while True:
         port = free_port()
-        if port + 10000 < 65536 and _is_free(port + 10000):
+        if port + 10000 < 65536 and processes.port_is_free(port + 10000):
             return [f"-admin.port={port}", f"-admin.port.grpc={port + 10000}"]
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 SERVERS = {

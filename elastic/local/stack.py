@@ -397,16 +397,6 @@ def _up_lock():
 _handed_out: set[int] = set()  # ports given to daemons by this process, bound by them later or not yet
 
 
-def port_is_free(port: int) -> bool:
-    """Whether a listener could bind this loopback port now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port() -> int:
     """A port free now and never handed out before by this process. The kernel may offer a port again as soon
     as our probe socket closes, and the daemons bind theirs seconds later: two components of one node were
