@@ -13,13 +13,13 @@ INTEGRATION = "tests/integration/"
 # first is how two workers finish together: a long module started late is the run's tail. A module not listed
 # goes after these, in collection order.
 MODULE_SECONDS = {
-    "test_submit_digits.py": 1500,
-    "test_preemption_e2e.py": 950,
-    "test_local_lifecycle.py": 800,
-    "test_sweep.py": 650,
-    "test_cluster_rehearsal.py": 460,
-    "test_chaos_soak.py": 320,
-    "test_spot_first.py": 320,
+    "test_submit_digits.py": 1461,
+    "test_preemption_e2e.py": 894,
+    "test_local_lifecycle.py": 838,
+    "test_cluster_rehearsal.py": 605,
+    "test_sweep.py": 433,
+    "test_chaos_soak.py": 361,
+    "test_spot_first.py": 209,
 }
 
 
