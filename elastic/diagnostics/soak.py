@@ -81,12 +81,13 @@ class SoakReport:
 
 def streamed_data_path(spec: JobSpec) -> str | None:
     """The key prefix of the dataset a job streams from a bucket (`config.dataset: s3://BUCKET/KEY`), which
-    the soak's data-read faults match; None for a job whose data is not in a bucket."""
+    the soak's data-read faults match; None for a job whose data is not in a bucket. A prefix, not a folder: a
+    job may read a dataset derived from it (charlm tokenizes `KEY` into `KEY-64-16/`)."""
     dataset = (spec.config or {}).get("dataset")
     if not isinstance(dataset, str) or not dataset.startswith("s3://"):
         return None
     key = dataset[len("s3://") :].partition("/")[2].strip("/")
-    return f"/{key}/" if key else None
+    return f"/{key}" if key else None
 
 
 class Soak:
