@@ -204,13 +204,14 @@ class FaultedRun:
             self.control.open_window(
                 ERROR_500, requests=S3_BURST, match={"methods": ["GET"], "path_contains": "/step-"}
             )
-            killed = self._kill_a_training_worker(record)
+            killed = self._kill_a_training_worker(record, "checkpoint reads")
             fired = self._injected_since(before, ERROR_500) if killed else (lambda: False)
         elif record.kind == S3_DATA_READ_ERRORS:
             match = {"methods": ["GET"], "path_contains": self.data_path}
             self.control.open_window(SLOW_DOWN, requests=S3_BURST, match=match)
             self.control.open_window(RESET, requests=S3_BURST, match=match)
-            killed = self._kill_a_training_worker(record)  # the restarted ranks read their data window again
+            # the restarted ranks read their data window again
+            killed = self._kill_a_training_worker(record, "data reads")
             throttled, reset = self._injected_since(before, SLOW_DOWN), self._injected_since(before, RESET)
             fired = (lambda: throttled() and reset()) if killed else (lambda: False)
         elif record.kind == SLOW_S3:
@@ -261,7 +262,7 @@ class FaultedRun:
                 record.detail += f"; no replacement for {reclaim.name} ({err})"
         return lambda: all(r.processes_killed > 0 for r in report.reclaims)
 
-    def _kill_a_training_worker(self, record: FaultRecord) -> bool:
+    def _kill_a_training_worker(self, record: FaultRecord, failing: str) -> bool:
         from ray.util.state import list_actors  # ray's state API only when a soak runs: the CLI starts fast
 
         actors = list_actors(
@@ -272,7 +273,7 @@ class FaultedRun:
             record.detail = "no training worker alive to kill"
             return False
         os.kill(pids[0], signal.SIGKILL)
-        record.detail = f"SIGKILL to training worker pid {pids[0]} with checkpoint reads failing"
+        record.detail = f"SIGKILL to training worker pid {pids[0]} with {failing} failing"
         return True
 
     def _kill_driver(self, record: FaultRecord) -> Callable[[], bool]:
