@@ -194,7 +194,6 @@ class OptimizerStep:
         self.group = group
         self.micro = 0
         self._nonfinite = False
-        self._all_hold: bool | None = None  # see _every_rank_holds_gradients
 
     def optimize(self, loss: torch.Tensor, step: int) -> tuple[bool, bool]:
         """Backward for one micro-batch; on the window's last one, step. Returns (step_done, applied)."""
@@ -224,11 +223,10 @@ class OptimizerStep:
             # The gradients are all-reduced, so identical on every rank: so is this decision, for free.
             bad = not _gradients_finite(self.optimizer)
         elif self._agree_through_gradients:
-            # Sharded: a NaN loss makes a rank's whole unsharded gradient NaN, and the reduce-scatter sums it
-            # into every slice, so every rank holding any element sees it in its own slice, for free. Only
-            # when some rank holds none (a model smaller than the world) must the ranks ask each other.
-            local_bad = not _gradients_finite(self.optimizer)
-            bad = local_bad if self._every_rank_holds_gradients() else self._any_rank(local_bad)
+            # Sharded: each rank sees only its own slice of the reduced gradients. A NaN loss reaches every
+            # slice, but an overflow in backward (finite loss) lands in one rank's slice only, and a rank may
+            # hold no element at all: one flag, agreed, so no rank steps (or clips, a collective) alone.
+            bad = self._any_rank(not _gradients_finite(self.optimizer))
         else:
             # fp16: the scaler's overflow also makes gradients non-finite, which is not a bad loss; ask the ranks.
             bad = self._any_rank(self._nonfinite)
@@ -254,16 +252,6 @@ class OptimizerStep:
         """Without loss scaling, a step is skipped iff its (all-reduced) gradients are non-finite: no extra
         collective per step, which on a busy host cost a third of the step time."""
         return isinstance(self.scaler, NoScaler)
-
-    def _every_rank_holds_gradients(self) -> bool:
-        """Whether every rank holds at least one element of the trained parameters (asked once, of all ranks,
-        at the first step: every rank reaches it together)."""
-        if self._all_hold is None:
-            holds = any(
-                local(p).numel() for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad
-            )
-            self._all_hold = not self._any_rank(not holds)
-        return self._all_hold
 
     def _any_rank(self, flag: bool) -> bool:
         if not dist.is_initialized():
