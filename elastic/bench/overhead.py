@@ -3,7 +3,9 @@ bare DDP loop (or, with parallelism fsdp, a bare FSDP2 loop: `fully_shard` on ea
 through the harness (checkpoints off; then async checkpoints every 20 steps), in short blocks
 that rotate through the variants, so that drift on a shared machine hits every variant alike. Reports step-time
 ratios taken within each round of blocks (median over rounds). A fourth variant, the bare loop plus a raw PUT of
-the same bytes at the same interval, is the floor: what moving the bytes alone costs the training."""
+the same bytes at the same interval, is the floor: what moving the bytes alone costs the training. Under fsdp a
+fifth, the bare loop plus the one-element all-reduce by which sharded ranks agree to skip a non-finite step
+(an overflow lands in one rank's gradient slice only), is the floor of the harness's guard."""
 
 from __future__ import annotations
 
@@ -42,6 +44,10 @@ class OverheadBench:
     save_stall_ms: float  # the loop's mean wait per save: staging, and the optimizer step waiting for its copy
     save_ms: float  # mean time from save() to commit, in the background
     block_end_wait_ms: float  # mean wait at a checkpointing block's end for its last save (counted in the block)
+    # fsdp only: the bare loop plus one agreed non-finite flag per step (a one-element all-reduce), over bare;
+    # and the harness over that floor, i.e. what the harness costs beyond the agreement a sharded guard needs.
+    agreed_overhead_ratio: float | None = None
+    harness_vs_agreed: float | None = None
 
 
 def _bench_model(width: int):
@@ -96,6 +102,18 @@ def _overhead_worker(config: dict) -> None:
         bare_opt.zero_grad()
         loss.backward()
         bare_opt.step()
+
+    def bare_agreed_step(batch_data) -> None:
+        """The bare loop as it must be to skip a non-finite step on every rank under sharding: one flag, agreed."""
+        x, y = batch_data
+        loss = F.cross_entropy(bare_model(x), y)
+        bare_opt.zero_grad()
+        loss.backward()
+        flag = torch.tensor([0 if all(bool(torch.isfinite(local(p.grad).reshape(-1)[:1]).all())
+                                      for p in bare_model.parameters() if p.grad is not None) else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            bare_opt.step()
 
     def harness(every_steps: int):
         spec = JobSpec.model_validate(
@@ -154,6 +172,8 @@ def _overhead_worker(config: dict) -> None:
         "harness_ckpt": (endless(saving_loader), saving_step),
         "bare_put": (endless(bare_loader), bare_put_step),
     }
+    if fsdp:
+        variants["bare_agreed"] = (endless(bare_loader), bare_agreed_step)
 
     def block(name: str) -> float:
         batches, step_fn = variants[name]
@@ -260,6 +280,12 @@ def bench_overhead(
     # moves a round's variants together, and falls out of their ratio.
     paired = lambda key: statistics.median(a / b for a, b in zip(times[key], times["bare"]))  # noqa: E731
     per_step = 1000
+    agreed = {}
+    if "bare_agreed" in times:
+        agreed = {
+            "agreed_overhead_ratio": round(paired("bare_agreed"), 4),
+            "harness_vs_agreed": round(statistics.median(a / b for a, b in zip(times["harness"], times["bare_agreed"])), 4),
+        }
     return OverheadBench(
         workers=workers,
         parallelism=parallelism,
@@ -277,4 +303,5 @@ def bench_overhead(
         save_stall_ms=round(measured["stall_s"] * 1000, 2),
         save_ms=round(measured["save_s"] * 1000, 1),
         block_end_wait_ms=round(measured["tail_wait_s"] * 1000, 1),
+        **agreed,
     )

@@ -219,9 +219,16 @@ class OptimizerStep:
         if not last:
             return False, False
         self.micro = 0
+        clipped = False
         if self._agree_through_gradients and not self._sharded:
             # The gradients are all-reduced, so identical on every rank: so is this decision, for free.
             bad = not _gradients_finite(self.optimizer)
+        elif self._agree_through_gradients and self.spec.grad_clip_norm is not None:
+            # Sharded and clipped: the total norm is all-reduced anyway, and non-finite iff any rank's slice
+            # is. Clipping by a NaN norm spoils the gradients of a step that is skipped: no harm.
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip_norm)
+            bad = not bool(torch.isfinite(local(norm)).all())
+            clipped = True
         elif self._agree_through_gradients:
             # Sharded: each rank sees only its own slice of the reduced gradients. A NaN loss reaches every
             # slice, but an overflow in backward (finite loss) lands in one rank's slice only, and a rank may
@@ -233,7 +240,7 @@ class OptimizerStep:
         applied = self.guard.record(not bad, step)
         self._nonfinite = False
         if applied:
-            if self.spec.grad_clip_norm is not None:
+            if self.spec.grad_clip_norm is not None and not clipped:
                 self.scaler.unscale_(self.optimizer)
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip_norm)
             self.scaler.step(self.optimizer)

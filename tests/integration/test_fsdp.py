@@ -155,6 +155,7 @@ def _rank(rank: int, world: int, store_file: str, root: str, out: str, job: str)
         report["ddp_under_fsdp"] = _full(state)
     elif job == "fp16":
         report.update(_fp16_overflow_on_one_shard(rank))
+        report.update(_fp32_overflow_on_one_shard(rank))
     else:  # "reshard": the fsdp checkpoint at step 3 loaded by a world of `world` (1)
         model, optimizer, stepper, state = _parts("fsdp")
         checkpointer = ShardedCheckpointer(CheckpointStore(f"{root}/fsdp"), rank, world, group)
@@ -197,6 +198,36 @@ def _fp16_overflow_on_one_shard(rank: int) -> dict:
         seen, {"applied_before": applied_before, "skipped": skipped, "scale": after, "before": scale_before}
     )
     return {"fp16": seen, "fp16_moved_on": _full(state)["model"] != before}
+
+
+def _fp32_overflow_on_one_shard(rank: int) -> dict:
+    """fp32 under fsdp with clipping: the skip is agreed through the clipped total norm (all-reduced anyway),
+    no extra collective. An inf in rank 0's slice only must skip the step on both ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from elastic.parallel.fsdp import local
+
+    model, optimizer, stepper, state = _parts("fsdp", "fp32")
+    _train(model, stepper, state, rank, 1, 2)
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def overflow_on_rank_0(parameters, *args, **kwargs):
+        if rank == 0:
+            local(model.head.weight.grad).view(-1)[0] = float("inf")
+        return clip(parameters, *args, **kwargs)
+
+    before = _full(state)["model"]
+    torch.nn.utils.clip_grad_norm_ = overflow_on_rank_0
+    try:
+        _train(model, stepper, state, rank, 3, 3)
+    finally:
+        torch.nn.utils.clip_grad_norm_ = clip
+    skipped = _full(state)["model"] == before
+    _train(model, stepper, state, rank, 4, 4)
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, {"skipped": skipped, "guard_skipped": stepper.guard.skipped})
+    return {"fp32": seen, "fp32_moved_on": _full(state)["model"] != before}
 
 
 def _spawn(tmp_path: Path, world: int, job: str) -> dict:
@@ -251,6 +282,9 @@ def test_an_fp16_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_pa
     assert [r["skipped"] for r in ranks] == [True, True], ranks
     assert ranks[0]["scale"] == ranks[1]["scale"] == ranks[0]["before"] / 2, ranks  # halved alike
     assert result["fp16_moved_on"]
+    # fp32 with clipping: the clipped norm carries the finding to every rank.
+    assert result["fp32"] == [{"skipped": True, "guard_skipped": 1}] * 2, result["fp32"]
+    assert result["fp32_moved_on"]
 
 
 def test_the_gpu_check_of_an_fsdp2_step_runs_dry_on_cpu(tmp_path):
