@@ -109,8 +109,17 @@ def _overhead_worker(config: dict) -> None:
         loss = F.cross_entropy(bare_model(x), y)
         bare_opt.zero_grad()
         loss.backward()
-        flag = torch.tensor([0 if all(bool(torch.isfinite(local(p.grad).reshape(-1)[:1]).all())
-                                      for p in bare_model.parameters() if p.grad is not None) else 1])
+        flag = torch.tensor(
+            [
+                0
+                if all(
+                    bool(torch.isfinite(local(p.grad).reshape(-1)[:1]).all())
+                    for p in bare_model.parameters()
+                    if p.grad is not None
+                )
+                else 1
+            ]
+        )
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             bare_opt.step()
@@ -284,7 +293,9 @@ def bench_overhead(
     if "bare_agreed" in times:
         agreed = {
             "agreed_overhead_ratio": round(paired("bare_agreed"), 4),
-            "harness_vs_agreed": round(statistics.median(a / b for a, b in zip(times["harness"], times["bare_agreed"])), 4),
+            "harness_vs_agreed": round(
+                statistics.median(a / b for a, b in zip(times["harness"], times["bare_agreed"])), 4
+            ),
         }
     return OverheadBench(
         workers=workers,

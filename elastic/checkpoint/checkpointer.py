@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from elastic.checkpoint.dcp_io import storage_reader, storage_writer
-from elastic.checkpoint.store import CheckpointStore
+from elastic.checkpoint.store import ATTACHED, CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class ShardedCheckpointer:
         self._staged: threading.Event | None = None  # set once the save in flight has copied all its tensors
         self._waited = 0.0  # seconds the loop waited in wait_staged() for the save in flight
         self._reason = "periodic"  # why the save in flight (at most one) was asked for: goes in its marker
+        self._attach: str | None = None  # the save in flight's attached folder (see save)
         self.results: list[SaveResult] = []
 
     # -- save
@@ -99,8 +101,13 @@ class ShardedCheckpointer:
         asynchronous: bool = True,
         deferrable: Callable[[Any], bool] | None = None,
         reason: str = "periodic",
+        attach: str | None = None,
     ) -> Future:
         """Stage `state` to host memory, then write and commit it in the background.
+
+        With `attach` (synchronous saves; every rank passes it alike: a local folder, or "" when this rank has
+        none), each rank also uploads that folder's files under `ATTACHED/` in the checkpoint, listed in the
+        marker like the shards: a Ray Train function's reported checkpoint folder rides with the run's state.
 
         With `deferrable` (async only), tensors it accepts (parameters and optimizer state: changed only by
         optimizer.step) are copied by the background thread instead, overlapping the next step's forward and
@@ -108,7 +115,10 @@ class ShardedCheckpointer:
         from an optimizer step pre-hook). Everything else is staged before this returns."""
         previous = self.wait()  # at most one in flight: a second save waits for the first
         del previous
+        if attach is not None and asynchronous:
+            raise ValueError("an attached folder is saved synchronously: its owner may delete it once save returns")
         self._reason = reason
+        self._attach = attach
         started = time.perf_counter()
         copies: list[tuple[Any, Any]] = []
         if asynchronous:
@@ -190,19 +200,38 @@ class ShardedCheckpointer:
                 **self.store.writer_options(),
             )
             self.fault_hook(step, "write")
+            attached = self._upload_attached(step) if self._attach is not None else None
             dcp.save(staged, storage_writer=writer, process_group=self.group)
             # dcp.save returns on rank 0 only after gathering every rank's write results and writing
             # .metadata, so every shard is durable here: commit.
+            written = getattr(writer, "file_sizes", None)
+            if attached is not None:
+                everyone: list[dict[str, int]] = [attached]
+                if self.group is not None and dist.is_initialized():
+                    everyone = [{} for _ in range(self.world_size)]
+                    dist.all_gather_object(everyone, attached, group=self.group)
+                if written is not None:
+                    written = {**written, **{name: size for part in everyone for name, size in part.items()}}
             files: dict[str, int] = {}
             if self.rank == 0:
                 self.fault_hook(step, "commit")
-                files = self.store.commit(
-                    step, self.world_size, extra={"reason": self._reason}, files=getattr(writer, "file_sizes", None)
-                ).files
+                files = self.store.commit(step, self.world_size, extra={"reason": self._reason}, files=written).files
             return True, None, files
         # DCP raises CheckpointException (a BaseException) alike on every rank; storage errors vary by backend.
         except (Exception, CheckpointException) as err:
             return False, _describe_failure(err), {}
+
+    def _upload_attached(self, step: int) -> dict[str, int]:
+        """This rank's attached folder, uploaded under ATTACHED/ in the checkpoint: name -> size."""
+        if not self._attach:
+            return {}
+        root = Path(self._attach)
+        local = sorted(p for p in root.rglob("*") if p.is_file())
+        names = [f"{ATTACHED}/{p.relative_to(root).as_posix()}" for p in local]
+        if local:
+            base = self.store.path(step)
+            self.store.fs.put([str(p) for p in local], [f"{base}/{name}" for name in names])
+        return {name: p.stat().st_size for name, p in zip(names, local)}
 
     def threads_for(self, state: dict) -> int:
         """Files (and parallel uploads) for this rank: one per ~16 MB of its share, up to io_threads. Small

@@ -37,6 +37,8 @@ DCP_METADATA = ".metadata"
 # Left in a pruned checkpoint's folder: Ray Train's run snapshot still names the folder and refuses to resume
 # a run whose snapshot points at a path that no longer exists.
 TOMBSTONE = "RETIRED"
+# A Ray Train function's reported checkpoint folder, kept inside the step folder beside the shards.
+ATTACHED = "files"
 _STEP_FOLDER = re.compile(r"^step-(\d{9})$")
 
 
@@ -322,15 +324,19 @@ class CheckpointStore:
             return None
 
     def _sizes(self, path: str) -> dict[str, int]:
+        """Name (relative to the folder: an attached folder's files are ATTACHED/...) -> size, every file."""
+        self.fs.invalidate_cache(path)
         try:
-            entries = self.fs.ls(path, detail=True, refresh=True)
+            entries = self.fs.find(path, detail=True)
         except FileNotFoundError:
             return {}
-        return {
-            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
-            for e in entries
-            if e.get("type") == "file" and not e["name"].endswith((MARKER, TOMBSTONE))
-        }
+        base = path.rstrip("/") + "/"
+        found = {}
+        for name, entry in entries.items():
+            name = name[len(base) :] if name.startswith(base) else name.rsplit("/", 1)[-1]
+            if entry.get("type") == "file" and name not in (MARKER, TOMBSTONE):
+                found[name] = int(entry.get("size") or 0)
+        return found
 
 
 def prunable(folders: dict[int, bool], keep: int, keep_every: int | None = None) -> list[int]:

@@ -39,7 +39,9 @@ def spec_check(job_file: Path, overrides: tuple[str, ...], working_dir: Path | N
 
     spec = load_job_spec(job_file, overrides)
     require_filesystem(spec.checkpoint.uri)
-    check_entrypoint(spec, (working_dir or Path.cwd()).resolve(), str(job_file))
+    for line in check_entrypoint(spec, (working_dir or Path.cwd()).resolve(), str(job_file)):
+        click.echo(f"warning: {job_file}: {line}", err=True)
+    click.echo(f"{job_file}: api {spec.api}, entrypoint {spec.entrypoint}", err=True)
     print_json(spec.redacted())
 
 

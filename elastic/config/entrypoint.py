@@ -1,28 +1,34 @@
 """Client-side check of a job's entrypoint, without importing the user's code: the file exists, parses and
-defines the function (the worker resolves it for real: elastic.worker.entrypoint)."""
+defines the function, whose signature fits the job's `api` (the worker resolves it for real:
+elastic.worker.entrypoint)."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 from elastic.config.spec import JobSpec
 from elastic.errors import SpecError
 
+# What each api calls the function with, for the refusal's fix.
+API_CALLS = {"session": "def NAME(session)", "ray-train": "def NAME(config) (or def NAME())"}
 
-def check_entrypoint(spec: JobSpec, working_dir: Path, source: str | None = None) -> None:
-    """Client-side check, without importing user code: the file exists and defines the function. `source` (the
-    job file) starts the error line, so it names the file as every spec problem does."""
+
+def check_entrypoint(spec: JobSpec, working_dir: Path, source: str | None = None) -> list[str]:
+    """Client-side check, without importing user code: the file exists and defines the function, and its
+    signature fits `spec.api`. `source` (the job file) starts the error line, so it names the file as every
+    spec problem does. Returns warnings (lines) for what cannot be checked here."""
     try:
-        _check(spec, working_dir)
+        return _check(spec, working_dir)
     except SpecError as err:
         raise SpecError(f"{source}: {err}" if source else str(err)) from None
 
 
-def _check(spec: JobSpec, working_dir: Path) -> None:
+def _check(spec: JobSpec, working_dir: Path) -> list[str]:
     target, name = spec.entrypoint_target, spec.entrypoint_function
     if not target.endswith(".py"):
-        return  # a module path is importable only in the job's environment; checked when the job starts
+        return _module_warnings(target)
     path = working_dir / target
     if not path.is_file():
         raise SpecError(
@@ -42,6 +48,65 @@ def _check(spec: JobSpec, working_dir: Path) -> None:
         raise SpecError(
             f"entrypoint: {target} defines no function '{name}'; functions there: {', '.join(functions) or 'none'}"
         )
+    function = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if function is not None:  # an import or an assignment: its signature is known only when it runs
+        _check_signature(spec.api, target, function, _uses_ray_train(tree))
+    return []
+
+
+def _check_signature(api: str, target: str, function: ast.FunctionDef, ray_train: bool) -> None:
+    """The api calls the function with one argument (session: the session; ray-train: the config, or none)."""
+    args = function.args
+    positional = [*args.posonlyargs, *args.args]
+    required = len(positional) - len(args.defaults)
+    required_keywords = [a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is None]
+    takes_one = bool(positional) or args.vararg is not None
+    where = f"entrypoint: {target}:{function.lineno}: {function.name}"
+    call = API_CALLS[api].replace("NAME", function.name)
+    if required > 1 or required_keywords:
+        extra = ", ".join([a.arg for a in positional[1:required]] + required_keywords)
+        raise SpecError(f"{where} also needs {extra}, which api {api} never passes; write it as {call}")
+    if api == "session" and not takes_one:
+        hint = " or set api: ray-train for a Ray Train function" if ray_train else ""
+        raise SpecError(f"{where} takes no argument, but api session passes the session; write {call}{hint}")
+    first = positional[0].arg if positional else None
+    if api == "session" and ray_train and first == "config":
+        raise SpecError(
+            f"{where}(config) calls ray.train and takes a config: it is a Ray Train function, which api session "
+            "would call with the session; set api: ray-train in the job file"
+        )
+    if api == "ray-train" and first == "session":
+        raise SpecError(
+            f"{where}(session) takes the session, but api ray-train passes the job's config; remove the api "
+            "field (api: session) or write def train(config)"
+        )
+
+
+def _uses_ray_train(tree) -> bool:
+    """Does the module import Ray Train (import ray.train, from ray import train, from ray.train import ...)?"""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.startswith("ray.train") for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module is not None:
+            if node.module.startswith("ray.train") or (
+                node.module == "ray" and any(a.name == "train" for a in node.names)
+            ):
+                return True
+    return False
+
+
+def _module_warnings(target: str) -> list[str]:
+    """A module path is imported only in the job's environment; say so when it cannot be found here."""
+    try:
+        found = importlib.util.find_spec(target) is not None
+    except (ImportError, ValueError):  # a parent package missing, or an empty part
+        found = False
+    if found:
+        return []
+    return [
+        f"entrypoint: module {target} cannot be imported here; fine if the job's runtime_env.pip installs it on "
+        "the cluster, else fix the module path"
+    ]
 
 
 def _top_level_names(tree) -> set[str]:

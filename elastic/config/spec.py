@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from elastic.config.documents import load_yaml, read_document
 from elastic.config.messages import PATTERN_HINTS, describe
@@ -39,8 +48,11 @@ class _Frozen(BaseModel):
 class WorkersSpec(_Frozen):
     """How many training workers, what each needs, and which nodes they may run on."""
 
-    min: int = Field(ge=1, le=MAX_WORKERS, description="Fewest workers the run trains with (it waits below this).")
-    max: Optional[int] = Field(
+    # Strict: YAML's `min: true` is a mistake, not one worker.
+    min: StrictInt = Field(
+        ge=1, le=MAX_WORKERS, description="Fewest workers the run trains with (it waits below this)."
+    )
+    max: Optional[StrictInt] = Field(
         default=None,
         ge=1,
         le=MAX_WORKERS,
@@ -130,6 +142,17 @@ class CheckpointSpec(_Frozen):
         if self.every_steps is None and self.every_seconds is None:
             raise ValueError("set every_steps or every_seconds (or both)")
         return self
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_or_path(cls, uri: str) -> str:
+        # A plain path never holds ':' here: 's3:bucket/x' or '::::' is a URL gone wrong, not a folder to create.
+        if "://" not in uri and ":" in uri:
+            raise ValueError(
+                f"{uri!r} is neither a URL nor a plain path; use scheme://BUCKET/PREFIX (s3://, gs://, az://) or a "
+                "folder path"
+            )
+        return uri
 
 
 class FailureSpec(_Frozen):
@@ -244,6 +267,9 @@ class RuntimeEnvSpec(_Frozen):
         return value
 
 
+Api = Literal["session", "ray-train"]
+
+
 class JobSpec(_Frozen):
     """One training job."""
 
@@ -251,6 +277,12 @@ class JobSpec(_Frozen):
     entrypoint: str = Field(
         pattern=_ENTRYPOINT_PATTERN,
         description="path/to/file.py:function or package.module:function, called with `config` on every worker.",
+    )
+    api: Api = Field(
+        default="session",
+        description="How the entrypoint is called on every worker. session: fn(session), elastic's harness. "
+        "ray-train: a Ray Train worker function fn(config) (or fn()), run unchanged: ray.train.report and "
+        "get_checkpoint go through the run's checkpoints (committed, retained, resumed).",
     )
     config: dict[str, Any] = Field(default_factory=dict, description="Free mapping passed to the function.")
     workers: WorkersSpec

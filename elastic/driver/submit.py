@@ -140,7 +140,8 @@ def check_spec(spec: JobSpec, working_dir: Path | None = None, spec_source: str 
     """What is checked before any cluster is asked anything: the entrypoint, and the model's memory plan when
     the spec says the GPU's memory (a refusal needs no cluster)."""
     working_dir = (working_dir or Path.cwd()).resolve()
-    check_entrypoint(spec, working_dir, spec_source)
+    for line in check_entrypoint(spec, working_dir, spec_source):
+        logger.warning("%s", line)
     if spec.workers.gpu_memory_gb is not None:
         check_memory(spec, working_dir, None, spec_source)
 

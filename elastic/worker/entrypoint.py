@@ -44,13 +44,20 @@ def worker_main(payload: dict, setup: WorkerSetup | None = None) -> None:
     spec = JobSpec.model_validate(payload["spec"])
     if setup is not None:
         setup.before_session(spec)
+    if spec.api == "ray-train":
+        from elastic.adapters.ray_train import install, run_ray_train_function
+
+        install()  # before the user's module is imported: `from ray.train import report` gets the routed one
+        train = run_ray_train_function
+    else:
+        train = _call_with_session
     function = resolve_entrypoint(spec.entrypoint)
     session = Session(spec, payload["run_name"], placement=payload.get("placement"))
     try:
         if setup is None:
-            function(session)
+            train(session, function)
         else:
-            setup.run(session, function)
+            setup.run(session, lambda s: train(s, function))
         session.drain_reports()  # a function that returned without finish() (or a sweep's probe) may leave some
     except PlacementEnded as ended:
         # The driver asked this placement to end (spot-first moving to spot) and it did, at a committed
@@ -59,6 +66,10 @@ def worker_main(payload: dict, setup: WorkerSetup | None = None) -> None:
         return
     finally:
         session.close()
+
+
+def _call_with_session(session: Session, function: Callable[[Session], Any]) -> None:
+    function(session)
 
 
 def _configure_logging() -> None:

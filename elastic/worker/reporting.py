@@ -120,8 +120,7 @@ class CommitReports:
 
     def _report(self, result: SaveResult) -> None:
         """Tell Ray Train of a committed checkpoint (already written: no upload). All ranks call this."""
-        import ray.train  # deferred: only a Ray Train worker reports (unit tests build this without Ray)
-        from ray.train import Checkpoint, CheckpointUploadMode
+        from ray.train import Checkpoint, CheckpointUploadMode  # deferred: unit tests build this without Ray
 
         with self._lock:
             metrics = self._unreported.pop(result.step, None)
@@ -134,10 +133,19 @@ class CommitReports:
                 self._storage.build_checkpoint_path_from_name(name), filesystem=self._storage.storage_filesystem
             )
         started = time.monotonic()
-        ray.train.report(
+        ray_report(
             metrics,
             checkpoint=checkpoint,
             checkpoint_dir_name=name,
             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
         )
         self._on_reported(time.monotonic() - started)
+
+
+def ray_report(*args, **kwargs) -> None:
+    """Ray Train's own report, also while an `api: ray-train` function runs with ray.train.report routed
+    through the session (elastic.adapters.ray_train)."""
+    import ray.train
+
+    report = getattr(ray.train.report, "elastic_original", ray.train.report)
+    report(*args, **kwargs)

@@ -51,7 +51,7 @@ from elastic.worker.optimizer_step import (
     grad_scaler,
 )
 from elastic.worker.placement_watch import placement_watch
-from elastic.worker.reporting import CommitReports
+from elastic.worker.reporting import CommitReports, ray_report
 from elastic.worker.restore import retire_unreadable, shared_restorable_steps
 from elastic.worker.run_ledger import attempt_ledger
 from elastic.worker.telemetry import Telemetry
@@ -168,6 +168,10 @@ class Session:
             if audit_enabled()
             else NoLedger()
         )
+        # api ray-train: the function decides when to checkpoint (it reports a folder); the session only
+        # asks it to (checkpoint_requested) when a reclaim notice, the driver or the spec's cadence wants one.
+        self._user_saves = spec.api != "session"
+        self._requested: str | None = None
         self._guard = NonFiniteGuard(spec.train.max_nonfinite_steps)
         self._optimizer_step: OptimizerStep | None = None
         self._last_saved_step: int | None = None
@@ -362,7 +366,9 @@ class Session:
         self._telemetry.waited_for_data(waited)
         self._ledger.on_step(self.step_count, metrics)
         self._chaos.maybe_kill(self.step_count)
-        if self._ending.jit.due(self.step_count):
+        if self._user_saves:
+            self._request_checkpoint()
+        elif self._ending.jit.due(self.step_count):
             self._ending.just_in_time(lambda: self._save_now(metrics), metrics)
         elif self._cadence.due_on_every_rank(self.step_count):
             self.checkpoint(metrics)
@@ -371,9 +377,15 @@ class Session:
         for hook in self._step_hooks:
             hook(self.step_count, metrics)
 
-    def checkpoint(self, metrics: dict | None = None, asynchronous: bool = True, reason: str = "periodic") -> None:
+    def checkpoint(
+        self,
+        metrics: dict | None = None,
+        asynchronous: bool = True,
+        reason: str = "periodic",
+        attach: str | None = None,
+    ) -> None:
         """Save now (all ranks). Blocks only while state is copied to host memory. `reason` is recorded in the
-        commit marker (`elastic checkpoints ls` shows it)."""
+        commit marker (`elastic checkpoints ls` shows it); `attach`: see ShardedCheckpointer.save."""
         self._log_failure(self.checkpointer.wait())  # at most one in flight
         self._ledger.flush(self.step_count)  # records cover every step a commit of this save includes
         self._reports.expect(self.step_count, metrics)
@@ -384,9 +396,29 @@ class Session:
             asynchronous=asynchronous,
             deferrable=self._state.changed_only_by_optimizer(),
             reason=reason,
+            attach=attach,
         )
         self._last_saved_step = self.step_count
         self._cadence.saved()
+
+    @property
+    def checkpoint_requested(self) -> bool:
+        """api ray-train: should the function report a checkpoint now? The same answer on every rank, updated
+        at each step (report): a reclaim notice, the driver ending this placement, or the spec's cadence."""
+        return self._requested is not None
+
+    def save_reported(self, folder: str, metrics: dict | None = None) -> None:
+        """api ray-train, every rank: the function reported a checkpoint folder at this step (`folder` is ""
+        on a rank that passed none). Saved with the run's state and committed before this returns; a save
+        asked for by a reclaim notice or the driver then ends this placement at it (PlacementEnded)."""
+        reason, self._requested = self._requested, None
+        self._wait_for_save()
+        self.checkpoint(metrics, asynchronous=False, reason=reason or "reported", attach=folder)
+        if reason == "just-in-time":
+            self._ending.just_in_time(self._wait_for_save, metrics)
+        elif reason == "placement ending":
+            self._ending.at_checkpoint()
+        self._raise_if_failed(self._wait_for_save())
 
     def finish(self, metrics: dict | None = None) -> None:
         """Final checkpoint, waited for and reported with `metrics`: call at the end of training on every rank."""
@@ -409,9 +441,15 @@ class Session:
             return
         # Already reported (or resumed at the end of a finished run: nothing new to save, and Ray knows that
         # checkpoint). Report the metrics alone; never rewrite a committed folder in place.
-        import ray.train
+        ray_report(final)
 
-        ray.train.report(final)
+    def ended_by_function(self) -> None:
+        """api ray-train, when the function returned: its checkpoints are its own to report (no final save
+        here, which would hold no folder of its); Ray is told of every commit before the worker leaves."""
+        self._tracking.finish(self.step_count, {"step": self.step_count})
+        self._raise_if_failed(self._wait_for_save())
+        self.drain_reports()
+        self._attempt.ended(self.step_count, "finished")
 
     def all_reduce_sum(self, *values: float) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)
@@ -464,6 +502,15 @@ class Session:
         result = self.checkpointer.wait()
         self._log_failure(result)
         return result
+
+    def _request_checkpoint(self) -> None:
+        """api ray-train, at every step: note whether a checkpoint is wanted (every rank alike)."""
+        if self._ending.jit.due(self.step_count):
+            self._requested = "just-in-time"
+        elif self._requested != "just-in-time" and self._ending.watch.can_end and self._ending.watch.end_requested():
+            self._requested = "placement ending"
+        elif self._requested is None and self._cadence.due_on_every_rank(self.step_count):
+            self._requested = "periodic"
 
     def _save_now(self, metrics: dict | None) -> SaveResult | None:
         """A just-in-time checkpoint: after the save in flight, one of this step, waited for."""
