@@ -14,9 +14,9 @@ from conftest import ROOT
 class Submission:
     """`elastic submit ... --follow` in the background, its output collected as it comes."""
 
-    def __init__(self, cli, *args: str):
+    def __init__(self, cli, *args: str, job: str = "jobs/digits_ddp.yaml"):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic", "submit", "jobs/digits_ddp.yaml", *args, "--follow"],
+            [sys.executable, "-m", "elastic", "submit", job, *args, "--follow"],
             cwd=ROOT,
             env=cli.env,
             stdout=subprocess.PIPE,
@@ -58,6 +58,27 @@ def final_tensors(stack, run: str) -> dict:
         store = CheckpointStore(f"s3://{stack['bucket']}/runs/{run}")
         latest = store.latest_committed()
         return {"step": latest.step, **store.read_tensors(latest.step)}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def attached_checkpoint(stack, run: str, name: str = "checkpoint.pt") -> dict:
+    """A file of the run's latest committed checkpoint's attached folder (what an api ray-train function
+    reported), loaded with torch, and the step."""
+    import io
+
+    import torch
+
+    from elastic.checkpoint.store import ATTACHED, CheckpointStore
+
+    saved = dict(os.environ)
+    os.environ.update(stack["env"])
+    try:
+        store = CheckpointStore(f"s3://{stack['bucket']}/runs/{run}")
+        latest = store.latest_committed()
+        raw = store.fs.cat_file(f"{store.path(latest.step)}/{ATTACHED}/{name}")
+        return {"step": latest.step, **torch.load(io.BytesIO(raw), weights_only=False)}
     finally:
         os.environ.clear()
         os.environ.update(saved)

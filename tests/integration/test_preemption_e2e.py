@@ -11,11 +11,12 @@ import re
 
 import pytest
 from conftest import make_cli
-from run_helpers import Submission, assert_same_weights, final_tensors
+from run_helpers import Submission, assert_same_weights, attached_checkpoint, final_tensors
 
 pytestmark = pytest.mark.integration
 
 EPOCHS = 120  # 2,760 steps at 2 workers: 25-30 s on a quiet machine, so a reclaim lands mid-run
+RAYTRAIN_EPOCHS = 60  # 300 reports (steps) of jobs/raytrain_mnist.py: ~40 s, room for a notice and a hard kill
 JIT_LINE = re.compile(r"just-in-time checkpoint at step (\d+) committed")
 RESUMED_LINE = re.compile(r"resumed from checkpoint at step (\d+) \(\S+, written by (\d+) workers, now (\d+)\)")
 
@@ -179,3 +180,52 @@ def test_recovery_benchmark_runs_side_by_side_and_loses_nothing_to_a_noticed_rec
     # The just-in-time commit came before the node died (by about the watcher's and the job's margins).
     assert math.isfinite(result["notice_idle_s"]) and 0 < result["notice_idle_s"] < result["notice_seconds"]
     assert result["goodput"] is None and result["goodput_gaps_s"] is None  # --minutes not given
+
+
+def test_a_ray_train_function_loses_no_step_to_a_noticed_reclaim_and_resumes_exactly_after_a_hard_one(stack):
+    """api ray-train (jobs/raytrain_mnist.py, a plain Ray Train function that checks
+    elastic.train.checkpoint_requested()): a noticed reclaim ends the placement at the checkpoint the function
+    reported when asked (0 steps lost), a hard kill resumes from its last reported checkpoint, and the final
+    model and optimizer equal an uninterrupted run's, tensor for tensor."""
+    import torch
+
+    cli = stack["cli"]
+    epochs = ("--set", f"config.epochs={RAYTRAIN_EPOCHS}")
+    cli.run("submit", "jobs/raytrain_mnist.yaml", "--suffix", "base", *epochs, "--follow", check=True)
+    run = Submission(cli, "--suffix", "spot", *epochs, job="jobs/raytrain_mnist.yaml")
+    run.wait_for("checkpoint at step 10 committed")
+    preempt(cli, "--market", "spot", "--notice", "8", "--replace-after", "0")
+    run.wait_for("ray.train.get_checkpoint() returns the checkpoint of step")
+    jit = [int(s) for s in JIT_LINE.findall(run.output)]
+    assert len(jit) == 1, run.output[-4000:]
+    # After the resume, two epoch-end checkpoints (every 5 reports), then a kill without notice.
+    next_epoch_end = (jit[0] // 5 + 2) * 5
+    run.wait_for(f"checkpoint at step {next_epoch_end} committed")
+    report = preempt(cli, "--market", "spot", "--hard", "--replace-after", "0")
+    output = run.finish()
+
+    assert report["reclaims"][0]["path"] == "hard"
+    resumed = [(int(a), int(b), int(c)) for a, b, c in RESUMED_LINE.findall(output)]
+    assert resumed[0] == (jit[0], 2, 2), resumed  # from the just-in-time step: zero steps lost
+    assert len(resumed) == 2 and resumed[1][0] >= next_epoch_end, resumed  # back to its last report
+    listed = json.loads(cli.run("checkpoints", "ls", "raytrain-mnist-spot", "--json", check=True).stdout)
+    assert all(c["committed"] for c in listed) and listed[-1]["step"] == RAYTRAIN_EPOCHS * 5
+
+    base, spot = attached_checkpoint(stack, "raytrain-mnist-base"), attached_checkpoint(stack, "raytrain-mnist-spot")
+    assert spot["step"] == base["step"] == RAYTRAIN_EPOCHS * 5
+    assert (spot["epoch"], spot["next_batch"]) == (base["epoch"], base["next_batch"]) == (RAYTRAIN_EPOCHS, 0)
+    assert base["model"].keys() == spot["model"].keys() and len(base["model"]) == 6
+    different = [k for k in base["model"] if not torch.equal(base["model"][k], spot["model"][k])]
+    assert not different, different
+    moments = lambda state: [t for s in state["optimizer"]["state"].values() for t in s.values()]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(moments(base), moments(spot), strict=True))
+
+    proc = cli.run("report", "raytrain-mnist-spot", "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    details = json.loads(proc.stdout)["preemption_details"]
+    assert len(details) == 2, details
+    assert (details[0]["just_in_time_step"], details[0]["resumed_from_step"], details[0]["steps_lost"]) == (
+        jit[0],
+        jit[0],
+        0,
+    )

@@ -201,8 +201,8 @@ def job_dir(tmp_path) -> Path:
 
 
 def test_check_entrypoint_accepts_a_defined_function(job_dir):
-    assert check_entrypoint(_spec("jobs/train_job.py:train"), job_dir) is None
-    assert check_entrypoint(_spec("jobs/train_job.py:atrain"), job_dir) is None
+    assert check_entrypoint(_spec("jobs/train_job.py:train"), job_dir) == []
+    assert check_entrypoint(_spec("jobs/train_job.py:atrain"), job_dir) == []
 
 
 def test_check_entrypoint_missing_file(job_dir):
@@ -221,8 +221,66 @@ def test_check_entrypoint_missing_function_lists_what_is_there(job_dir):
     assert "atrain, helper, train" in message
 
 
-def test_check_entrypoint_leaves_module_paths_to_the_job(job_dir):
-    assert check_entrypoint(_spec("no_such_package.mod:train"), job_dir) is None
+def test_check_entrypoint_leaves_module_paths_to_the_job_but_warns_when_not_importable_here(job_dir):
+    (warning,) = check_entrypoint(_spec("no_such_package.mod:train"), job_dir)
+    assert "module no_such_package.mod cannot be imported here" in warning and "runtime_env.pip" in warning
+    assert check_entrypoint(_spec("json.decoder:JSONDecoder"), job_dir) == []
+
+
+SIGNATURES = """\
+import ray.train
+
+def session_job(session):
+    pass
+
+def ray_train_job(config):
+    ray.train.report({})
+
+def no_args():
+    pass
+
+def two_args(config, extra):
+    pass
+
+def keyword_only(config, *, flag):
+    pass
+
+def defaults(config, extra=1, *args, **kwargs):
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    "api, function, refusal",
+    [
+        ("session", "session_job", None),
+        ("ray-train", "ray_train_job", None),
+        ("ray-train", "no_args", None),  # Ray Train calls a function without parameters with nothing
+        ("ray-train", "defaults", None),
+        ("session", "defaults", None),
+        ("session", "no_args", "takes no argument, but api session passes the session; write def no_args(session)"),
+        ("session", "ray_train_job", "it is a Ray Train function, which api session would call with the session"),
+        ("ray-train", "session_job", "takes the session, but api ray-train passes the job's config"),
+        ("ray-train", "two_args", "also needs extra, which api ray-train never passes"),
+        ("session", "keyword_only", "also needs flag, which api session never passes"),
+    ],
+)
+def test_check_entrypoint_refuses_a_signature_the_api_does_not_call(tmp_path, api, function, refusal):
+    (tmp_path / "job.py").write_text(SIGNATURES)
+    spec = JobSpec(
+        name="j",
+        entrypoint=f"job.py:{function}",
+        api=api,
+        workers=WorkersSpec(min=1),
+        checkpoint=CheckpointSpec(uri="/tmp/x", every_steps=1),
+    )
+    if refusal is None:
+        assert check_entrypoint(spec, tmp_path, "job.yaml") == []
+        return
+    with pytest.raises(SpecError) as info:
+        check_entrypoint(spec, tmp_path, "job.yaml")
+    assert str(info.value).startswith(f"job.yaml: entrypoint: job.py:")
+    assert refusal in str(info.value)
 
 
 def test_check_entrypoint_agrees_with_resolve_entrypoint_on_imported_functions(tmp_path, monkeypatch, job_modules):

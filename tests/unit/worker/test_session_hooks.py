@@ -39,6 +39,7 @@ def _bare_session() -> Session:
     session._chaos = Chaos(store=None, rank=0, plan=[])
     session._ending = _NoEnding()
     session._cadence = _NeverDue()
+    session._user_saves, session._requested = False, None
     session._telemetry = Telemetry(
         NoMetrics(), 0, CheckpointSpec(uri="/tmp/unused", every_steps=10), None, lambda: None
     )
@@ -67,6 +68,56 @@ def test_a_hook_error_leaves_the_step():
     with pytest.raises(KeyboardInterrupt):
         session.step()
     assert session.step_count == 2  # the step itself was taken
+
+
+class _DueAt:
+    def __init__(self, *steps: int):
+        self.steps = set(steps)
+
+    def due(self, step: int) -> bool:
+        return step in self.steps
+
+    def due_on_every_rank(self, step: int) -> bool:
+        return step in self.steps
+
+
+class _Watch:
+    can_end = True
+
+    def __init__(self, at: int, session: Session):
+        self.at, self.session = at, session
+
+    def end_requested(self) -> bool:
+        return self.session.step_count >= self.at
+
+
+def test_a_ray_train_function_is_asked_for_a_checkpoint_by_a_notice_the_driver_or_the_cadence():
+    """api ray-train: the session never saves on its own; each step (report) notes whether one is wanted."""
+    session = _bare_session()
+    session._user_saves = True
+    session._ending = _NoEnding()
+    session._ending.jit = _DueAt(6)
+    session._ending.watch = _Watch(at=9, session=session)
+    session._cadence = _DueAt(3)
+    asked = []
+    for _ in range(10):
+        session.step()
+        asked.append((session.step_count, session._requested))
+        if session.step_count in (4, 7):
+            session._requested = None  # the function reported a checkpoint (save_reported clears it)
+    assert asked == [
+        (1, None),
+        (2, None),
+        (3, "periodic"),
+        (4, "periodic"),  # still wanted until the function reports one
+        (5, None),
+        (6, "just-in-time"),  # a reclaim notice: the next report with a checkpoint ends the placement
+        (7, "just-in-time"),
+        (8, None),
+        (9, "placement ending"),
+        (10, "placement ending"),
+    ]
+    assert session.checkpoint_requested
 
 
 def _result(step: int) -> SaveResult:

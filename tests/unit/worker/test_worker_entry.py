@@ -36,7 +36,7 @@ def fake_worker(monkeypatch):
     monkeypatch.setattr(entrypoint, "Session", FakeSession)
     monkeypatch.setattr(entrypoint, "resolve_entrypoint", lambda target: job)
     monkeypatch.setattr(
-        entrypoint.JobSpec, "model_validate", staticmethod(lambda data: SimpleNamespace(entrypoint="job.py:train"))
+        entrypoint.JobSpec, "model_validate", staticmethod(lambda data: SimpleNamespace(entrypoint="job.py:train", api="session"))
     )
     return calls
 
