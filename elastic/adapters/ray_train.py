@@ -22,14 +22,29 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from elastic.checkpoint.store import ATTACHED
+from elastic.checkpoint.store import ATTACHED, CheckpointStore
 from elastic.storage import pyarrow_filesystem
-from elastic.worker.session import Session
+
+
+class Session(Protocol):
+    """What this adapter uses of elastic.worker.session.Session (which hands itself in: the worker entry
+    dispatches on the job's api, so this layer never imports the worker's)."""
+
+    config: dict[str, Any]
+    store: CheckpointStore
+    restored_step: int | None
+    checkpoint_requested: bool
+
+    def restore(self) -> int: ...
+    def step(self, metrics: dict | None = None) -> None: ...
+    def save_reported(self, folder: str, metrics: dict | None = None) -> None: ...
+    def ended_by_function(self) -> None: ...
+    def log(self, message: str, all_ranks: bool = False) -> None: ...
 
 _log = logging.getLogger(__name__)
 
@@ -75,6 +90,7 @@ def run_ray_train_function(session: Session, function: Callable[..., Any]) -> No
     """Restore the run's newest checkpoint, then call `function(config)` (or `function()`) with Ray Train's
     report and get_checkpoint routed through `session` (install() must have run)."""
     global _current, _resumed
+    _logical_gpus_on_cpu(session)
     session.restore()
     _resumed = _restored_checkpoint(session)
     if _resumed is not None:
@@ -85,6 +101,24 @@ def run_ray_train_function(session: Session, function: Callable[..., Any]) -> No
     finally:
         _current = _resumed = None
     session.ended_by_function()
+
+
+def _logical_gpus_on_cpu(session: Session) -> None:
+    """The local stack's GPUs are logical (a CPU machine stands in for GPU nodes): Ray Train's torch helpers pick
+    CUDA from the worker's GPU resource alone and fail without it (torch.cuda.Stream in prepare_data_loader).
+    There, point them at the CPU, as the session does for its own jobs. Ray has no public switch for this; on a
+    real GPU nothing changes."""
+    import ray
+
+    if torch.cuda.is_available() or not ray.get_runtime_context().get_accelerator_ids().get("GPU"):
+        return
+    try:
+        from ray.air._internal import device_manager
+    except ImportError:  # another Ray: its helpers stay as they are
+        return
+    with device_manager._torch_device_manager_lock:
+        device_manager._torch_device_manager = device_manager.CPUTorchDeviceManager()
+    session.log("logical GPUs without CUDA: Ray Train's torch helpers run on the CPU")
 
 
 def _current_report(session: Session, metrics: dict, checkpoint) -> None:

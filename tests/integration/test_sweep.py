@@ -89,15 +89,17 @@ def test_four_trials_share_one_gpu_at_once(stack):
     assert list(result["trials_per_gpu"].values()) == [4] and result["errors"] == 0
 
 
-def test_a_sweep_runs_from_a_laptop_through_the_job_api(stack, monkeypatch):
+def test_a_sweep_of_a_ray_train_function_runs_from_a_laptop_through_the_job_api(stack, monkeypatch):
     """`elastic sweep --address`: the sweep's driver runs as a Ray job on the cluster (the project directory as
-    its working dir) and the client prints the trials and best config that job found."""
+    its working dir) and the client prints the trials and best config that job found. The trials run a plain Ray
+    Train function (api: ray-train): its reported checkpoints are Tune's iterations and land in each trial's
+    run folder, committed."""
     from ray.job_submission import JobSubmissionClient
 
     name = f"remote-{uuid.uuid4().hex[:6]}"
     proc = stack["cli"].run(
         "sweep",
-        "jobs/digits_sweep.yaml",
+        "jobs/raytrain_sweep.yaml",
         "--address",
         stack["dashboard_url"],
         "--set",
@@ -112,9 +114,13 @@ def test_a_sweep_runs_from_a_laptop_through_the_job_api(stack, monkeypatch):
     assert len(result["trials"]) == 2 and result["errors"] == 0, result
     # ASHA may stop the worse trial at a rung (STOPPED); every trial ran and reported, none errored.
     assert all(t["state"] in ("TERMINATED", "STOPPED") and t["metric"] is not None for t in result["trials"])
-    assert any(t["state"] == "TERMINATED" for t in result["trials"]), result["trials"]
-    assert set(result["best_config"]) == {"lr", "width", "batch_size"}
+    assert all(t["state"] == "TERMINATED" and t["iterations"] == 3 for t in result["trials"]), result["trials"]
+    assert set(result["best_config"]) == {"lr", "width"}
     assert "[sweep]" in proc.stderr  # its progress streamed from the job
+    fs = storage(stack)
+    for trial in result["trials"]:  # one committed checkpoint per epoch; retention kept the newest, with its files
+        steps = sorted(fs.glob(f"{stack['bucket']}/runs/{name}/train/{name}-{trial['trial_id']}/step-*/COMMITTED.json"))
+        assert steps and fs.exists(steps[-1].replace("COMMITTED.json", "files/checkpoint.pt")), steps
     monkeypatch.setenv("RAY_AUTH_MODE", stack["env"]["RAY_AUTH_MODE"])  # the stack's auth mode
     drivers = [
         j
@@ -122,7 +128,7 @@ def test_a_sweep_runs_from_a_laptop_through_the_job_api(stack, monkeypatch):
         if (j.metadata or {}).get("elastic_run") == f"sweep {name}"
     ]
     assert [str(j.status.value) for j in drivers] == ["SUCCEEDED"], drivers
-    assert "elastic sweep jobs/digits_sweep.yaml" in drivers[0].entrypoint
+    assert "elastic sweep jobs/raytrain_sweep.yaml" in drivers[0].entrypoint
 
 
 def test_out_of_memory_retried_with_bigger_share_and_fsdp_ranks_on_distinct_gpus(stack, tmp_path):

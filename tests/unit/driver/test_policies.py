@@ -279,7 +279,7 @@ def test_check_entrypoint_refuses_a_signature_the_api_does_not_call(tmp_path, ap
         return
     with pytest.raises(SpecError) as info:
         check_entrypoint(spec, tmp_path, "job.yaml")
-    assert str(info.value).startswith(f"job.yaml: entrypoint: job.py:")
+    assert str(info.value).startswith("job.yaml: entrypoint: job.py:")
     assert refusal in str(info.value)
 
 
