@@ -141,7 +141,10 @@ for i in $(seq 1 "$CYCLES"); do
   elastic local down >"$WORK/down-$i.log" 2>&1
 done
 """
-README_CYCLES = 10
+# Every `up` after the first meets the previous stack's exports and must ignore them (the cause of the old
+# flake, now deterministic: up runs its checks in an environment without them). Three such ups assert it; ten
+# cost five more minutes of CI for no other property.
+README_CYCLES = 4
 JOB_LOG = """
 import json, os, sys, urllib.request
 token = open(os.environ["RAY_AUTH_TOKEN_PATH"]).read().strip()
@@ -156,7 +159,7 @@ except OSError:
 
 @pytest.mark.slow
 def test_the_readme_flow_repeated_in_one_shell_starts_every_stack(tmp_path, cli_factory):
-    """up, eval "$(elastic local env)", a job training, down: ten times in a row in one shell, every `up`
+    """up, eval "$(elastic local env)", a job training, down: four times in a row in one shell, every `up`
     with every node joined, every job training when its stack went down."""
     cli = cli_factory(tmp_path / "home")
     env = {**cli.env, "CYCLES": str(README_CYCLES), "WORK": str(tmp_path), "JOB_LOG": JOB_LOG}
