@@ -36,6 +36,8 @@ class Session(Protocol):
     dispatches on the job's api, so this layer never imports the worker's)."""
 
     config: dict[str, Any]
+    rank: int
+    node_id: str
     store: CheckpointStore
     restored_step: int | None
     checkpoint_requested: bool
@@ -45,6 +47,7 @@ class Session(Protocol):
     def save_reported(self, folder: str, metrics: dict | None = None) -> None: ...
     def ended_by_function(self) -> None: ...
     def log(self, message: str, all_ranks: bool = False) -> None: ...
+
 
 _log = logging.getLogger(__name__)
 
@@ -90,20 +93,20 @@ def run_ray_train_function(session: Session, function: Callable[..., Any]) -> No
     """Restore the run's newest checkpoint, then call `function(config)` (or `function()`) with Ray Train's
     report and get_checkpoint routed through `session` (install() must have run)."""
     global _current, _resumed
-    _logical_gpus_on_cpu(session)
+    logical_gpus_on_cpu(session)
     session.restore()
     _resumed = _restored_checkpoint(session)
     if _resumed is not None:
         session.log(f"ray.train.get_checkpoint() returns the checkpoint of step {session.restored_step}")
     _current = session
     try:
-        function(dict(session.config)) if _takes_config(function) else function()
+        function(dict(session.config)) if takes_config(function) else function()
     finally:
         _current = _resumed = None
     session.ended_by_function()
 
 
-def _logical_gpus_on_cpu(session: Session) -> None:
+def logical_gpus_on_cpu(session: Session) -> None:
     """The local stack's GPUs are logical (a CPU machine stands in for GPU nodes): Ray Train's torch helpers pick
     CUDA from the worker's GPU resource alone and fail without it (torch.cuda.Stream in prepare_data_loader).
     There, point them at the CPU, as the session does for its own jobs. Ray has no public switch for this; on a
@@ -123,7 +126,7 @@ def _logical_gpus_on_cpu(session: Session) -> None:
 
 def _current_report(session: Session, metrics: dict, checkpoint) -> None:
     session.step(metrics)
-    if not _any_rank(checkpoint is not None):
+    if not any_rank(checkpoint is not None):
         return
     if checkpoint is None:  # another rank passed one: the save is collective, this rank adds no files
         session.save_reported("", metrics)
@@ -132,7 +135,7 @@ def _current_report(session: Session, metrics: dict, checkpoint) -> None:
         session.save_reported(folder, metrics)
 
 
-def _takes_config(function: Callable[..., Any]) -> bool:
+def takes_config(function: Callable[..., Any]) -> bool:
     """Ray Train calls train_loop_per_worker with the config when it takes a parameter, else with nothing."""
     parameters = inspect.signature(function).parameters.values()
     return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in parameters)
@@ -149,7 +152,7 @@ def _restored_checkpoint(session: Session):
     return Checkpoint(path, filesystem=filesystem)
 
 
-def _any_rank(flag: bool) -> bool:
+def any_rank(flag: bool) -> bool:
     """Did any rank pass a checkpoint? (Ray lets rank 0 alone pass one; the save is collective.)"""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return flag

@@ -12,7 +12,11 @@ from elastic.config.spec import JobSpec
 from elastic.errors import SpecError
 
 # What each api calls the function with, for the refusal's fix.
-API_CALLS = {"session": "def NAME(session)", "ray-train": "def NAME(config) (or def NAME())"}
+API_CALLS = {
+    "session": "def NAME(session)",
+    "ray-train": "def NAME(config) (or def NAME())",
+    "transformers": "def NAME(config) (or def NAME()) returning a Trainer",
+}
 
 
 def check_entrypoint(spec: JobSpec, working_dir: Path, source: str | None = None) -> list[str]:
@@ -50,7 +54,7 @@ def _check(spec: JobSpec, working_dir: Path) -> list[str]:
         )
     function = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
     if function is not None:  # an import or an assignment: its signature is known only when it runs
-        _check_signature(spec.api, target, function, _uses_ray_train(tree))
+        _check_signature(spec.api, target, function, _uses_ray_train(tree, function))
     return []
 
 
@@ -75,22 +79,27 @@ def _check_signature(api: str, target: str, function: ast.FunctionDef, ray_train
             f"{where}(config) calls ray.train and takes a config: it is a Ray Train function, which api session "
             "would call with the session; set api: ray-train in the job file"
         )
-    if api == "ray-train" and first == "session":
+    if api != "session" and first == "session":
         raise SpecError(
-            f"{where}(session) takes the session, but api ray-train passes the job's config; remove the api "
-            "field (api: session) or write def train(config)"
+            f"{where}(session) takes the session, but api {api} passes the job's config; remove the api "
+            f"field (api: session) or write {call}"
         )
 
 
-def _uses_ray_train(tree) -> bool:
-    """Does the module import Ray Train (import ray.train, from ray import train, from ray.train import ...)?"""
+def _uses_ray_train(tree, function: ast.FunctionDef) -> bool:
+    """Does the function call into Ray Train (ray.train.X, or a name the module imported from ray.train)?"""
+    imported: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import) and any(a.name.startswith("ray.train") for a in node.names):
-            return True
         if isinstance(node, ast.ImportFrom) and node.module is not None:
-            if node.module.startswith("ray.train") or (
-                node.module == "ray" and any(a.name == "train" for a in node.names)
-            ):
+            if node.module.startswith("ray.train"):
+                imported.update(a.asname or a.name for a in node.names)
+            elif node.module == "ray":
+                imported.update(a.asname or a.name for a in node.names if a.name == "train")
+    for node in ast.walk(function):
+        if isinstance(node, ast.Name) and node.id in imported:
+            return True
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "ray" and node.attr == "train":
                 return True
     return False
 

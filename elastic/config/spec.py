@@ -267,7 +267,7 @@ class RuntimeEnvSpec(_Frozen):
         return value
 
 
-Api = Literal["session", "ray-train"]
+Api = Literal["session", "ray-train", "transformers"]
 
 
 class JobSpec(_Frozen):
@@ -282,7 +282,9 @@ class JobSpec(_Frozen):
         default="session",
         description="How the entrypoint is called on every worker. session: fn(session), elastic's harness. "
         "ray-train: a Ray Train worker function fn(config) (or fn()), run unchanged: ray.train.report and "
-        "get_checkpoint go through the run's checkpoints (committed, retained, resumed).",
+        "get_checkpoint go through the run's checkpoints (committed, retained, resumed). transformers: "
+        "fn(config) builds a transformers.Trainer and returns it (or calls train()): its checkpoints go to the "
+        "run folder, a reclaim notice makes it save, a restart resumes from the newest.",
     )
     config: dict[str, Any] = Field(default_factory=dict, description="Free mapping passed to the function.")
     workers: WorkersSpec

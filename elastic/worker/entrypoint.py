@@ -49,6 +49,12 @@ def worker_main(payload: dict, setup: WorkerSetup | None = None) -> None:
 
         install()  # before the user's module is imported: `from ray.train import report` gets the routed one
         train = run_ray_train_function
+    elif spec.api == "transformers":
+        from elastic.adapters.transformers import install as install_transformers
+        from elastic.adapters.transformers import run_transformers_function
+
+        install_transformers()
+        train = run_transformers_function
     else:
         train = _call_with_session
     function = resolve_entrypoint(spec.entrypoint)

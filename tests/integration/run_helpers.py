@@ -65,10 +65,11 @@ def final_tensors(stack, run: str) -> dict:
 
 def attached_checkpoint(stack, run: str, name: str = "checkpoint.pt") -> dict:
     """A file of the run's latest committed checkpoint's attached folder (what an api ray-train function
-    reported), loaded with torch, and the step."""
+    reported, or a Trainer saved), loaded with torch (safetensors for *.safetensors), and the step."""
     import io
 
     import torch
+    from safetensors.torch import load as load_safetensors
 
     from elastic.checkpoint.store import ATTACHED, CheckpointStore
 
@@ -78,7 +79,10 @@ def attached_checkpoint(stack, run: str, name: str = "checkpoint.pt") -> dict:
         store = CheckpointStore(f"s3://{stack['bucket']}/runs/{run}")
         latest = store.latest_committed()
         raw = store.fs.cat_file(f"{store.path(latest.step)}/{ATTACHED}/{name}")
-        return {"step": latest.step, **torch.load(io.BytesIO(raw), weights_only=False)}
+        loaded = (
+            load_safetensors(raw) if name.endswith(".safetensors") else torch.load(io.BytesIO(raw), weights_only=False)
+        )
+        return {"step": latest.step, **loaded}
     finally:
         os.environ.clear()
         os.environ.update(saved)

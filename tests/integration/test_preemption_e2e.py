@@ -16,6 +16,7 @@ from run_helpers import Submission, assert_same_weights, attached_checkpoint, fi
 pytestmark = pytest.mark.integration
 
 EPOCHS = 120  # 2,760 steps at 2 workers: 25-30 s on a quiet machine, so a reclaim lands mid-run
+HF_STEPS = 200  # optimizer steps of jobs/hf_gpt2.py: ~40 s, so a notice's just-in-time save lands mid-run
 RAYTRAIN_EPOCHS = 60  # 300 reports (steps) of jobs/raytrain_mnist.py: ~40 s, room for a notice and a hard kill
 JIT_LINE = re.compile(r"just-in-time checkpoint at step (\d+) committed")
 RESUMED_LINE = re.compile(r"resumed from checkpoint at step (\d+) \(\S+, written by (\d+) workers, now (\d+)\)")
@@ -229,3 +230,50 @@ def test_a_ray_train_function_loses_no_step_to_a_noticed_reclaim_and_resumes_exa
         jit[0],
         0,
     )
+
+
+def test_a_hugging_face_trainer_saves_at_a_reclaim_notice_and_resumes_to_the_same_model(stack):
+    """api transformers (jobs/hf_gpt2.py returns a Trainer): at a reclaim notice the callback makes the Trainer
+    save at that step, committed before the deadline; the run resumes from it through resume_from_checkpoint
+    (0 steps lost) and ends with the model and optimizer of an uninterrupted run, tensor for tensor."""
+    import torch
+
+    cli = stack["cli"]
+    steps = ("--set", f"config.max_steps={HF_STEPS}")
+    cli.run("submit", "jobs/hf_gpt2.yaml", "--suffix", "base", *steps, "--follow", check=True)
+    run = Submission(cli, "--suffix", "spot", *steps, job="jobs/hf_gpt2.yaml")
+    run.wait_for("checkpoint at step 40 committed")
+    report = preempt(cli, "--market", "spot", "--notice", "8", "--replace-after", "0")
+    output = run.finish()
+
+    jit = [int(s) for s in JIT_LINE.findall(output)]
+    assert len(jit) == 1 and 40 < jit[0] < HF_STEPS, output[-4000:]
+    assert "before the deadline" in output.split(f"just-in-time checkpoint at step {jit[0]} committed")[1][:200]
+    resumed = [(int(a), int(b), int(c)) for a, b, c in RESUMED_LINE.findall(output)]
+    assert resumed == [(jit[0], 2, 2)], resumed  # from the just-in-time step: zero steps lost
+    assert f"the Trainer resumes from the checkpoint of step {jit[0]} (resume_from_checkpoint)" in output
+    assert report["reclaims"][0]["path"] == "metadata"
+
+    model = {
+        suffix: attached_checkpoint(stack, f"hf-gpt2-{suffix}", "model.safetensors") for suffix in ("base", "spot")
+    }
+    optim = {suffix: attached_checkpoint(stack, f"hf-gpt2-{suffix}", "optimizer.pt") for suffix in ("base", "spot")}
+    assert model["base"]["step"] == model["spot"]["step"] == HF_STEPS
+    for saved in (model, optim):
+        base, spot = (_tensors(saved[suffix]) for suffix in ("base", "spot"))
+        assert base.keys() == spot.keys() and len(base) >= 10, len(base)
+        different = [k for k in base if not torch.equal(base[k], spot[k])]
+        assert not different, different
+
+
+def _tensors(state: dict, prefix: str = "") -> dict:
+    """Every tensor of a (nested) state dict, by dotted key: a model's weights, AdamW's moments."""
+    import torch
+
+    found = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            found[f"{prefix}{key}"] = value
+        elif isinstance(value, dict):
+            found.update(_tensors(value, f"{prefix}{key}."))
+    return found

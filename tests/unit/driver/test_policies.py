@@ -261,6 +261,8 @@ def defaults(config, extra=1, *args, **kwargs):
         ("session", "no_args", "takes no argument, but api session passes the session; write def no_args(session)"),
         ("session", "ray_train_job", "it is a Ray Train function, which api session would call with the session"),
         ("ray-train", "session_job", "takes the session, but api ray-train passes the job's config"),
+        ("transformers", "ray_train_job", None),
+        ("transformers", "session_job", "api transformers passes the job's config; remove the api field"),
         ("ray-train", "two_args", "also needs extra, which api ray-train never passes"),
         ("session", "keyword_only", "also needs flag, which api session never passes"),
     ],
