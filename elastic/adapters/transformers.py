@@ -104,7 +104,9 @@ def elastic_callback():
             self.logs = {k: float(v) for k, v in (logs or {}).items() if isinstance(v, (int, float))}
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.session.step(dict(self.logs))
+            # The Trainer logs after this call: these are the last step's logs, given once (not carried on).
+            self.session.step(self.logs)
+            self.logs = {}
             if self.session.checkpoint_requested:
                 control.should_save = True  # the Trainer saves at this very step; on_save commits it
 

@@ -297,7 +297,33 @@ class CheckpointStore:
             if isinstance(meta, TensorStorageMetadata)
         }
         dcp.load(state, storage_reader=FsspecReader(self.uri(step), **self.writer_options()), no_dist=True)
-        return state
+        return {**state, **self._attached_tensors(step)}
+
+    def _attached_tensors(self, step: int) -> dict[str, Any]:
+        """The tensors in an attached folder (what a Ray Train function reported, a Trainer saved): safetensors
+        files and torch-saved state dicts, under `files/<name>/<dotted key>`."""
+        import io
+
+        import torch
+
+        found: dict[str, Any] = {}
+        manifest = self._read_marker(step) or {}
+        for name in sorted(manifest.get("files", {})):
+            if not name.startswith(f"{ATTACHED}/"):
+                continue
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load as load_safetensors  # with transformers: its files only
+
+                loaded = load_safetensors(self.fs.cat_file(f"{self.path(step)}/{name}"))
+            elif name.endswith((".pt", ".pth", ".bin")):
+                try:
+                    loaded = torch.load(io.BytesIO(self.fs.cat_file(f"{self.path(step)}/{name}")), weights_only=False)
+                except Exception:  # not a torch file after all: nothing to compare in it
+                    continue
+            else:
+                continue
+            found.update(_flatten_tensors(loaded, f"{name}/"))
+        return found
 
     def _check_dcp_metadata(self, path: str, actual: dict[str, int]) -> list[str]:
         """Every byte range DCP's metadata points at must lie inside an existing shard file."""
@@ -337,6 +363,24 @@ class CheckpointStore:
             if entry.get("type") == "file" and name not in (MARKER, TOMBSTONE):
                 found[name] = int(entry.get("size") or 0)
         return found
+
+
+def _flatten_tensors(value: Any, prefix: str) -> dict[str, Any]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {prefix.rstrip("."): value}
+    if isinstance(value, dict):
+        found: dict[str, Any] = {}
+        for key, item in value.items():
+            found.update(_flatten_tensors(item, f"{prefix}{key}."))
+        return found
+    if isinstance(value, (list, tuple)):
+        found = {}
+        for index, item in enumerate(value):
+            found.update(_flatten_tensors(item, f"{prefix}{index}."))
+        return found
+    return {}
 
 
 def prunable(folders: dict[int, bool], keep: int, keep_every: int | None = None) -> list[int]:

@@ -102,7 +102,7 @@ def _show_verify(report: dict) -> None:
         ("every sample once", "samples_exactly_once"),
         ("seconds", "seconds"),
     ):
-        table.add_row(label, str(base[key]), str(hit[key]))
+        table.add_row(label, *("not audited" if r[key] is None else str(r[key]) for r in (base, hit)))
     console.print(table)
     if report["notices"]:
         console.print(

@@ -234,10 +234,12 @@ class Divergence:
 
 def first_divergence(baseline: History, other: History) -> Divergence | None:
     """The first step both runs took whose per-rank losses are not bit-equal, or None. A step one of them lacks
-    is not compared (the exactly-once check reports missing steps)."""
+    is not compared (the exactly-once check reports missing steps), nor one without a loss on either side (a
+    Trainer's logs come every logging_steps, and a restarted attempt has none until its first)."""
     for step in sorted(set(baseline.steps) & set(other.steps)):
         mine, theirs = baseline.steps[step], other.steps[step]
-        if not _same_losses(mine.loss, theirs.loss):
+        unrecorded = None in mine.loss.values() or None in theirs.loss.values()
+        if not unrecorded and not _same_losses(mine.loss, theirs.loss):
             return Divergence(step, dict(mine.loss), dict(theirs.loss), other.resumed_from.get(theirs.attempt, 0))
     return None
 

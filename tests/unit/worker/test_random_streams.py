@@ -135,6 +135,9 @@ def test_first_divergence_names_the_step_and_the_checkpoint_resumed_from():
     assert "step 4 (resumed from the checkpoint of step 2; rank 0: 1.1 against 1.0)" == str(found)
     nan = _history({1: float("nan")}, {}, {"a": 0})
     assert first_divergence(nan, _history({1: float("nan")}, {}, {"a": 0})) is None
+    # A step with no loss recorded on one side (a Trainer logs every few steps) is not compared; the next is.
+    gap = _history({1: 2.0, 2: None, 3: 1.3, 4: 1.0}, {2: "b", 3: "b", 4: "b"}, {"a": 0, "b": 1})
+    assert first_divergence(base, gap).step == 3
 
 
 def test_kill_points_place_notices_between_kills_and_never_in_a_save():
