@@ -36,7 +36,9 @@ def fake_worker(monkeypatch):
     monkeypatch.setattr(entrypoint, "Session", FakeSession)
     monkeypatch.setattr(entrypoint, "resolve_entrypoint", lambda target: job)
     monkeypatch.setattr(
-        entrypoint.JobSpec, "model_validate", staticmethod(lambda data: SimpleNamespace(entrypoint="job.py:train", api="session"))
+        entrypoint.JobSpec,
+        "model_validate",
+        staticmethod(lambda data: SimpleNamespace(entrypoint="job.py:train", api="session")),
     )
     return calls
 
