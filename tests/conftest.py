@@ -14,9 +14,9 @@ INTEGRATION = "tests/integration/"
 # goes after these, in collection order.
 MODULE_SECONDS = {
     "test_submit_digits.py": 1461,
-    "test_preemption_e2e.py": 894,
-    "test_local_lifecycle.py": 838,
+    "test_preemption_e2e.py": 1100,
     "test_cluster_rehearsal.py": 605,
+    "test_local_lifecycle.py": 540,
     "test_sweep.py": 433,
     "test_chaos_soak.py": 361,
     "test_spot_first.py": 209,
