@@ -16,7 +16,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    StrictInt,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -48,11 +47,10 @@ class _Frozen(BaseModel):
 class WorkersSpec(_Frozen):
     """How many training workers, what each needs, and which nodes they may run on."""
 
-    # Strict: YAML's `min: true` is a mistake, not one worker.
-    min: StrictInt = Field(
+    min: int = Field(
         ge=1, le=MAX_WORKERS, description="Fewest workers the run trains with (it waits below this)."
     )
-    max: Optional[StrictInt] = Field(
+    max: Optional[int] = Field(
         default=None,
         ge=1,
         le=MAX_WORKERS,
@@ -91,6 +89,14 @@ class WorkersSpec(_Frozen):
         description="Elastic runs below max: grow at the next checkpoint once free capacity for more workers "
         "has been seen this long (a steady reading, so a node coming and going causes no resize).",
     )
+
+    @field_validator("min", "max", mode="before")
+    @classmethod
+    def _no_booleans(cls, value: Any) -> Any:
+        # YAML's `min: true` is a mistake, not one worker (pydantic would take True as 1).
+        if isinstance(value, bool):
+            raise ValueError(f"a worker count, not {str(value).lower()}; write a number such as 2")
+        return value
 
     @field_validator("max")
     @classmethod

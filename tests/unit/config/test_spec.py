@@ -257,7 +257,7 @@ _BAD = [
         MINIMAL.replace("min: 2", "min: true"),
         "workers.min",
         4,
-        ["valid integer", "(got True)"],
+        ["a worker count, not true", "(got True)"],
         id="workers-min-a-boolean",
     ),
     pytest.param(
