@@ -47,9 +47,7 @@ class _Frozen(BaseModel):
 class WorkersSpec(_Frozen):
     """How many training workers, what each needs, and which nodes they may run on."""
 
-    min: int = Field(
-        ge=1, le=MAX_WORKERS, description="Fewest workers the run trains with (it waits below this)."
-    )
+    min: int = Field(ge=1, le=MAX_WORKERS, description="Fewest workers the run trains with (it waits below this).")
     max: Optional[int] = Field(
         default=None,
         ge=1,
