@@ -19,6 +19,17 @@ from elastic.local.state import LocalState, NodePlan, home_dir
 from elastic.placement.labels import NODE_NAME_LABEL
 
 LOG_LINES_SHOWN = 5
+# What `ray start` prints when its raylet did not register with the GCS within Ray's fixed 30 s (ray/_private/
+# node.py): seen on a 2-core machine under load. The node will never join; starting it again usually works.
+RAY_START_TIMED_OUT = "The current node timed out during startup"
+
+
+class NodeStartTimedOut(ClusterError):
+    """A node's `ray start` gave up registering (Ray's own fixed window): the caller may start it again."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
 
 
 def logs_dir() -> Path:
@@ -101,6 +112,11 @@ def wait_for_nodes(state: LocalState, plan: list[NodePlan], timeout: float) -> l
                 }
         if len(seen) == len(plan):
             return [seen[n.name] for n in plan]
+        for node in plan:
+            if node.name not in seen and RAY_START_TIMED_OUT in _tail(logs_dir() / f"{node.name}.log"):
+                raise NodeStartTimedOut(
+                    node.name, f"local node {node.name} gave up joining: " + _tail(logs_dir() / f"{node.name}.log")
+                )
         _check_roots_alive(state)
         time.sleep(1.0)
     missing = [n for n in plan if n.name not in seen]

@@ -26,7 +26,7 @@ from elastic.errors import ClusterError
 from elastic.local import processes, s3servers
 from elastic.local.exports import forget_stale
 from elastic.local.processes import Launched
-from elastic.local.readiness import logs_dir, wait_for_job_api, wait_for_nodes, wait_for_port
+from elastic.local.readiness import NodeStartTimedOut, logs_dir, wait_for_job_api, wait_for_nodes, wait_for_port
 from elastic.local.state import (
     AUTH_MODES,
     DEFAULT_BUCKET,
@@ -87,6 +87,8 @@ _log = logging.getLogger(__name__)
 # up
 
 METRICS_REPORT_MS = 2000
+# `ray start` gives a raylet a fixed 30 s to register; under load it can miss it, and a second start usually joins.
+NODE_START_ATTEMPTS = 3
 
 
 def up(
@@ -183,10 +185,23 @@ def _start(
         # One node at a time: on a 2-core machine, raylets started together time out registering.
         for joined, node in enumerate(workers, start=2):
             progress(f"node {node.name} ({node.market})")
-            state.roots.append(_start_node(ray_bin, node, state, env, logs).to_dict())
-            save_state(state)
             extras = {n["name"]: n for n in state.nodes}  # keep what was added to the nodes joined earlier
-            state.nodes = [{**extras.get(n["name"], {}), **n} for n in wait_for_nodes(state, plan[:joined], timeout)]
+            for attempt in range(1, NODE_START_ATTEMPTS + 1):
+                launched = _start_node(ray_bin, node, state, env, logs)
+                state.roots.append(launched.to_dict())
+                save_state(state)
+                try:
+                    joined_nodes = wait_for_nodes(state, plan[:joined], timeout)
+                    break
+                except NodeStartTimedOut as err:
+                    if attempt == NODE_START_ATTEMPTS:
+                        raise
+                    _log.warning("%s; starting it again (attempt %d)", err, attempt + 1)
+                    processes.kill_trees([launched])
+                    state.roots = [r for r in state.roots if r["pid"] != launched.pid]
+                    # Its log keeps the failed attempt beside it, so the next wait does not read it again.
+                    (logs / f"{node.name}.log").replace(logs / f"{node.name}.log.{attempt}")
+            state.nodes = [{**extras.get(n["name"], {}), **n} for n in joined_nodes]
             if node.market == "spot":
                 _start_spot_daemons(state.nodes[-1], state, env, logs, timeout)
                 save_state(state)
@@ -311,30 +326,17 @@ def add_node(market: str, cpus: int | None = None, gpus: int | None = None, time
     gpus = gpus if gpus is not None else (others[0]["gpus"] if others else 0)
     if gpus > 0 and not state.logical_gpus and not _cuda_available():
         raise ClusterError("this stack declares no GPUs; start it with --gpus-per-node to add nodes with GPUs")
-    # A reclaimed node's name is never reused: Ray may still list the dead node under it for a while.
-    taken = {n["name"] for n in state.nodes} | {r["role"] for r in state.roots} | set(state.retired)
-    index = next(i for i in range(len(taken) + 1) if f"{market}-{i}" not in taken)
-    node = NodePlan(f"{market}-{index}", market, WORKER_ROLE, cpus, gpus)
     state.use_ray()  # this process polls the stack's dashboard
     env = {**state.env(), "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    launched = _start_node(processes.binary("ray", "ray[default]"), node, state, env, logs_dir())
-    node_temp = state.node_temp_dirs[-1]
-    with state_lock():  # first, so `down` stops it even if it never joins
-        state = load_state() or state
-        state.roots.append(launched.to_dict())
-        state.node_temp_dirs.append(node_temp)
-        save_state(state)
-    try:
-        joined = wait_for_nodes(state, [node], timeout)[0]
-    except ClusterError:
-        # A node that never joined is taken back out, so later add-node calls do not trip over its dead root.
-        processes.kill_trees([launched])
-        with state_lock():
+    for attempt in range(1, NODE_START_ATTEMPTS + 1):
+        try:
+            joined, node = _add_one_node(state, market, cpus, gpus, env, timeout)
+            break
+        except NodeStartTimedOut as err:
+            if attempt == NODE_START_ATTEMPTS:
+                raise
+            _log.warning("%s; starting another (attempt %d)", err, attempt + 1)
             state = load_state() or state
-            state.roots = [r for r in state.roots if r["role"] != node.name]
-            state.retired = [*state.retired, node.name]
-            save_state(state)
-        raise
     daemons = LocalState(**{**asdict(state), "roots": []})
     if market == "spot":
         _start_spot_daemons(joined, daemons, env, logs_dir(), timeout)
@@ -344,6 +346,32 @@ def add_node(market: str, cpus: int | None = None, gpus: int | None = None, time
         state.roots.extend(daemons.roots)
         save_state(state)
     return joined
+
+
+def _add_one_node(state: LocalState, market: str, cpus: int, gpus: int, env: dict, timeout: float):
+    """Start a node under a fresh name and wait for it; one that never joins is taken back out (its name retired),
+    so later add-node calls do not trip over its dead root."""
+    # A reclaimed node's name is never reused: Ray may still list the dead node under it for a while.
+    taken = {n["name"] for n in state.nodes} | {r["role"] for r in state.roots} | set(state.retired)
+    index = next(i for i in range(len(taken) + 1) if f"{market}-{i}" not in taken)
+    node = NodePlan(f"{market}-{index}", market, WORKER_ROLE, cpus, gpus)
+    launched = _start_node(processes.binary("ray", "ray[default]"), node, state, env, logs_dir())
+    node_temp = state.node_temp_dirs[-1]
+    with state_lock():  # first, so `down` stops it even if it never joins
+        state = load_state() or state
+        state.roots.append(launched.to_dict())
+        state.node_temp_dirs.append(node_temp)
+        save_state(state)
+    try:
+        return wait_for_nodes(state, [node], timeout)[0], node
+    except ClusterError:
+        processes.kill_trees([launched])
+        with state_lock():
+            state = load_state() or state
+            state.roots = [r for r in state.roots if r["role"] != node.name]
+            state.retired = [*state.retired, node.name]
+            save_state(state)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------------------
