@@ -1,7 +1,8 @@
 """`elastic local down` stops exactly what `up` started: nothing of the stack survives, nothing else dies. The
 stack here runs with `--s3-faults`: its S3 endpoint is the fault proxy, which `down` stops with the rest. And
 whole-cluster loss: a run cut by `down` (no notice) resumes after `up` from its last committed checkpoint, which
-the on-disk bucket kept, and ends bit-identical to an uninterrupted run."""
+the on-disk bucket kept, and ends bit-identical to an uninterrupted run; a Ray Train function (api ray-train)
+resubmitted after the loss gets its last reported checkpoint back from `ray.train.get_checkpoint()`."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ RESUMED_LINE = re.compile(r"resumed from checkpoint at step (\d+) ")
 # well before the end.
 LOSS_JOB = ("--set", "workers.market=any", "--set", "config.epochs=10", "--set", "checkpoint.every_steps=10")
 LOSS_STEPS = 230
+RAYTRAIN_JOB = ("--set", "workers.market=any")  # jobs/raytrain_mnist.yaml: 2 workers, a report every 5 batches
 
 
 def stack_pids(marker: str) -> list[int]:
@@ -83,6 +85,9 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         status = json.loads(cli.run("local", "status", "--json", check=True).stdout)
         assert status["running"] and all(status["processes"].values())
 
+        # A Ray Train function (api ray-train) reports a checkpoint at its first epoch's end (5 reports) and ends.
+        cli.run("submit", "jobs/raytrain_mnist.yaml", *RAYTRAIN_JOB, "--set", "config.epochs=1", "--follow", check=True)
+
         # Whole-cluster loss, part 1: a run is partway (two checkpoints committed) when the stack goes down.
         # Paced (0.1 s after each step, which changes no numbers): the cut lands mid-run however late the log
         # line reaches this test on a loaded machine (unpaced, the 230 steps were once all done before `down`).
@@ -109,6 +114,13 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         )
         last = final_tensors(stack, "digits-ddp-loss")["step"]  # the last checkpoint committed before the loss
         assert 20 <= last < LOSS_STEPS
+        # The Ray Train function, resubmitted with a second epoch, gets its checkpoint back from the bucket.
+        raytrain = cli.run(
+            "submit", "jobs/raytrain_mnist.yaml", *RAYTRAIN_JOB, "--set", "config.epochs=2", "--follow", check=True
+        ).stdout
+        assert "ray.train.get_checkpoint() returns the checkpoint of step 5" in raytrain, raytrain[-4000:]
+        listed = json.loads(cli.run("checkpoints", "ls", "raytrain-mnist", "--json", check=True).stdout)
+        assert [c["step"] for c in listed if c["committed"]] == [5, 10], listed
         resumed = Submission(cli, "--suffix", "loss", *LOSS_JOB).finish()
         assert [int(m) for m in RESUMED_LINE.findall(resumed)][:1] == [last], resumed[-4000:]
         Submission(cli, "--suffix", "base", *LOSS_JOB).finish()
