@@ -131,6 +131,28 @@ def test_a_sweep_of_a_ray_train_function_runs_from_a_laptop_through_the_job_api(
     assert "elastic sweep jobs/raytrain_sweep.yaml" in drivers[0].entrypoint
 
 
+def test_a_sweep_of_hugging_face_trainers_reports_each_committed_trainer_checkpoint(stack):
+    """A sweep over an api transformers job (jobs/hf_sweep.yaml): each trial is a Trainer run by elastic, its
+    Trainer checkpoints (every save_steps) committed to the trial's run folder and counted as Tune iterations,
+    its logged loss the sweep's metric."""
+    name = f"hf-{uuid.uuid4().hex[:6]}"
+    proc = stack["cli"].run(
+        "sweep", "jobs/hf_sweep.yaml", "--set", "num_samples=2", "--set", f"name={name}", "--json", timeout=420
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert len(result["trials"]) == 2 and result["errors"] == 0, result
+    # 60 steps, a Trainer checkpoint every 20: three commits, three iterations, the loss of each reported.
+    assert all(t["state"] == "TERMINATED" and t["iterations"] == 3 for t in result["trials"]), result["trials"]
+    assert all(t["metric"] is not None and t["step"] == 60 for t in result["trials"]), result["trials"]
+    assert set(result["best_config"]) == {"lr", "width"}
+    fs = storage(stack)
+    for trial in result["trials"]:
+        steps = sorted(fs.glob(f"{stack['bucket']}/runs/{name}/train/{name}-{trial['trial_id']}/step-*/COMMITTED.json"))
+        assert [int(p.split("step-")[-1].split("/")[0]) for p in steps] == [20, 40, 60], steps
+        assert fs.exists(steps[-1].replace("COMMITTED.json", "files/trainer_state.json")), steps[-1]
+
+
 def test_out_of_memory_retried_with_bigger_share_and_fsdp_ranks_on_distinct_gpus(stack, tmp_path):
     name = f"oom-{uuid.uuid4().hex[:6]}"
     sweep = write_sweep(
