@@ -40,6 +40,9 @@ class NoLedger:
     def flush(self, step: int) -> None:
         pass
 
+    def start_attempt(self, resumed_from: int, group=None, commit_time=None, load_started=None) -> None:
+        pass
+
 
 class SampleLedger:
     """Records this rank's batches per step; `flush` writes them to the run folder (called on every rank)."""
@@ -70,6 +73,19 @@ class SampleLedger:
     @property
     def folder(self) -> str:
         return f"{self.run_root}/{AUDIT_FOLDER}/{self.attempt}"
+
+    def start_attempt(
+        self, resumed_from: int, group=None, commit_time: float | None = None, load_started: float | None = None
+    ) -> None:
+        """At a restore (every rank): this attempt's records go under one id, made by rank 0 and broadcast on
+        `group`; `commit_time`/`load_started` of the checkpoint loaded, if any."""
+        import torch.distributed as dist  # the audit's reading side (verify-resume, reports) runs without torch
+
+        attempt = [new_attempt_id()]
+        if dist.is_initialized():
+            dist.broadcast_object_list(attempt, src=0, group=group)
+        self.attempt, self.resumed_from = attempt[0], resumed_from
+        self.resumed_commit_time, self.load_started = commit_time, load_started
 
     def on_batch(self, epoch: int, indices: list[int]) -> None:
         self._batches.append((epoch, list(indices)))

@@ -28,32 +28,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.checkpoint.checkpointer import SaveResult, ShardedCheckpointer
-from elastic.checkpoint.store import CheckpointStore, Retention, run_directory
+from elastic.checkpoint.checkpointer import SaveResult
+from elastic.checkpoint.store import CheckpointStore, run_directory
 from elastic.config.spec import JobSpec
 from elastic.data import ResumableLoader, ResumableSampler
 from elastic.observability.gpu import gpu_sampler
 from elastic.observability.metrics import run_metrics
-from elastic.parallel.fsdp import shard_model
-from elastic.parallel.memory import measured as measured_state
-from elastic.worker.audit import NoLedger, SampleLedger, audit_enabled, new_attempt_id
+from elastic.worker.audit import NoLedger, SampleLedger, audit_enabled
 from elastic.worker.cadence import CheckpointCadence
 from elastic.worker.chaos import Chaos
 from elastic.worker.ending import PlacementEnding
 from elastic.worker.jit import read_ray_notice
 from elastic.worker.node import node_identity, worker_device
-from elastic.worker.optimizer_step import (
-    NonFiniteGuard,
-    OptimizerStep,
-    apply_activation_checkpointing,
-    autocast,
-    autocast_forward,
-    grad_scaler,
-)
+from elastic.worker.optimizer_step import NonFiniteGuard, OptimizerStep, autocast, grad_scaler
 from elastic.worker.placement_watch import placement_watch
-from elastic.worker.reporting import CommitReports, ray_report
+from elastic.worker.preparation import wrap_model
 from elastic.worker.restore import retire_unreadable, shared_restorable_steps
 from elastic.worker.run_ledger import attempt_ledger
+from elastic.worker.save_requests import JUST_IN_TIME, PLACEMENT_ENDING, SaveRequests
+from elastic.worker.saving import Saves
 from elastic.worker.telemetry import Telemetry
 from elastic.worker.tracking import SessionTracking
 from elastic.worker.training_state import Stateful, TrainingState
@@ -77,9 +70,11 @@ class Session:
     those that commit while the previous report is still under way.
 
     The work is done by collaborators, one per module: TrainingState (what a checkpoint holds),
-    CheckpointCadence (when one is due), CommitReports (telling Ray Train of commits), Chaos (fault
-    injection), PlacementEnding (the placement watch and JustInTime: ending a placement at a checkpoint),
-    SampleLedger (auditing) and OptimizerStep (backward, clipping, the step).
+    CheckpointCadence (when one is due), Saves (a save from start to commit: the checkpointer, reports to
+    Ray Train, retention), SaveRequests (api ray-train/transformers: asking the function for one), Chaos
+    (fault injection), PlacementEnding (the placement watch and JustInTime: ending a placement at a
+    checkpoint), SampleLedger (auditing), wrap_model (DDP/FSDP) and OptimizerStep (backward, clipping, the
+    step).
     """
 
     def __init__(self, spec: JobSpec, run_name: str, placement: dict | None = None):
@@ -98,14 +93,10 @@ class Session:
         self.store = CheckpointStore(run_directory(spec, self._storage.experiment_dir_name))
         # Background saves run their collectives on a group of their own, apart from DDP's all-reduces.
         self._checkpoint_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.checkpointer = ShardedCheckpointer(
-            self.store,
-            self.rank,
-            self.world_size,
-            self._checkpoint_group,
-            on_commit=self._on_commit,
-            on_failure=self._on_failed_save,
+        self._saves = Saves(
+            self.store, self.rank, self.world_size, self._checkpoint_group, self._storage, spec.checkpoint
         )
+        self.checkpointer = self._saves.checkpointer
         self._state = TrainingState(self.rank, self.world_size)
         # Run metrics out through Ray's Prometheus export; goodput's clock rides in the checkpoint.
         self._telemetry = Telemetry(
@@ -129,24 +120,18 @@ class Session:
             lambda step, metrics: self._watchdog.progress(step),
         ]
         self._telemetry.start()
-        self._retention = Retention(self.store, spec.checkpoint.keep, spec.checkpoint.keep_every)
         self._cadence = CheckpointCadence(spec.checkpoint)
         self._chaos = Chaos(self.store, self.rank)
         self.checkpointer.fault_hook = self._chaos.maybe_kill_in_save
-        self._reports = CommitReports(
-            self.rank,
-            self._checkpoint_group,
-            self._storage,
-            on_reported=lambda seconds: self._ending.jit.reported(seconds),
-        )
         # The driver may ask this placement to end at a checkpoint (spot-first moving to spot, an elastic run
         # growing); a reclaim notice ends it at a just-in-time checkpoint.
         self._ending = PlacementEnding(
             placement_watch(placement, self.store.run_uri, self.rank),
-            self._reports,
+            self._saves.reports,
             self.rank,
-            wait_for_save=self._wait_for_save,
+            wait_for_save=self._saves.wait,
         )
+        self._saves.report_listeners.append(lambda seconds: self._ending.jit.reported(seconds))
         self._ending.join(self.node_id, self.world_size, self._checkpoint_group)
         self._attempt = attempt_ledger(
             self.store.run_uri,
@@ -157,10 +142,16 @@ class Session:
             self._checkpoint_group,
         )
         self._ending.on_notice = self._attempt.notice
+        self._saves.commit_listeners += [
+            lambda result: self._ending.jit.saved(result.total_seconds),
+            lambda result: self._watchdog.saved(result.total_seconds),
+            self._attempt.committed,
+            self._telemetry.on_commit,
+        ]
         self._ending.pause_watchdog = self._watchdog.pause
         self._ending.watch_notices(
             spec.checkpoint,
-            in_flight=lambda: self.checkpointer.in_flight,
+            in_flight=lambda: self._saves.checkpointer.in_flight,
             read_notice=self._chaos.notice_source(read_ray_notice),
         )
         self._ledger = (
@@ -168,13 +159,12 @@ class Session:
             if audit_enabled()
             else NoLedger()
         )
-        # api ray-train: the function decides when to checkpoint (it reports a folder); the session only
-        # asks it to (checkpoint_requested) when a reclaim notice, the driver or the spec's cadence wants one.
+        # api ray-train/transformers: the function decides when to checkpoint (it reports a folder); the
+        # session only asks it to (checkpoint_requested) when a notice, the driver or the cadence wants one.
         self._user_saves = spec.api != "session"
-        self._requested: str | None = None
+        self._save_requests = SaveRequests()
         self._guard = NonFiniteGuard(spec.train.max_nonfinite_steps)
         self._optimizer_step: OptimizerStep | None = None
-        self._last_saved_step: int | None = None
         self.restored_step: int | None = None
         self.log(
             f"worker rank {self.rank}/{self.world_size} on node {self.node_id} market={self.market} "
@@ -206,11 +196,11 @@ class Session:
 
     @property
     def report_every_commit(self) -> bool:
-        return self._reports.report_every_commit
+        return self._saves.reports.report_every_commit
 
     @report_every_commit.setter
     def report_every_commit(self, every: bool) -> None:
-        self._reports.report_every_commit = every
+        self._saves.reports.report_every_commit = every
 
     def add_step_hook(self, hook: StepHook) -> None:
         """Call `hook(step, metrics)` on this rank at the end of every step (see the class docstring)."""
@@ -238,19 +228,8 @@ class Session:
         `checkpoint_layers` (a tuple of module types or a predicate; default: the model's direct children)
         recompute their activations in backward."""
         train = self.spec.train
-        if train.activation_checkpointing:
-            count = apply_activation_checkpointing(model, checkpoint_layers)
-            self.log(f"activation checkpointing on {count} modules")
-        model = model.to(self.device)
-        if train.parallelism == "fsdp":
-            wrapped, line = shard_model(model, optimizer, train.fsdp, train.precision, shard)
-            self.log(line)
-        else:
-            autocast_forward(model, train.precision, self.device)
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-        self.log(
-            f"{train.parallelism} at world size {self.world_size}: {measured_state(wrapped, optimizer).describe()}"
+        wrapped = wrap_model(
+            model, optimizer, train, self.device, self.world_size, checkpoint_layers, shard, chief=self.is_chief
         )
         self._state.model, self._state.optimizer = wrapped, optimizer
         if scheduler is not None:
@@ -312,7 +291,7 @@ class Session:
             dist.barrier(group=self._checkpoint_group)
         self._ending.watch.running(self.world_size)
         if not committed:
-            self._start_ledger(0)
+            self._ledger.start_attempt(0, self._checkpoint_group)
             self._attempt.training()
             self._telemetry.resumed(0)
             return 0
@@ -324,8 +303,9 @@ class Session:
         info = self.store.info(step)
         # The ledger keeps when the loaded checkpoint was committed and when the load began: a chaos soak
         # proves from them that no torn checkpoint was ever loaded (the marker predates the load).
-        self._start_ledger(step, commit_time=info.time if info.committed else None, load_started=loading_since)
-        self.restored_step = self._last_saved_step = self.step_count
+        commit_time = info.time if info.committed else None
+        self._ledger.start_attempt(step, self._checkpoint_group, commit_time, loading_since)
+        self.restored_step = self._saves.last_saved_step = self.step_count
         self._attempt.restored(self.step_count, info.world_size or 0, self.world_size)
         self._attempt.training()
         self._telemetry.resumed(self.step_count)
@@ -367,7 +347,11 @@ class Session:
         self._ledger.on_step(self.step_count, metrics)
         self._chaos.maybe_kill(self.step_count)
         if self._user_saves:
-            self._request_checkpoint()
+            self._save_requests.note(
+                self._ending.jit.due(self.step_count),
+                ending=lambda: self._ending.watch.can_end and self._ending.watch.end_requested(),
+                periodic=lambda: self._cadence.due_on_every_rank(self.step_count),
+            )
         elif self._ending.jit.due(self.step_count):
             self._ending.just_in_time(lambda: self._save_now(metrics), metrics)
         elif self._cadence.due_on_every_rank(self.step_count):
@@ -386,68 +370,57 @@ class Session:
     ) -> None:
         """Save now (all ranks). Blocks only while state is copied to host memory. `reason` is recorded in the
         commit marker (`elastic checkpoints ls` shows it); `attach`: see ShardedCheckpointer.save."""
-        self._log_failure(self.checkpointer.wait())  # at most one in flight
+        self._saves.wait()  # at most one in flight
         self._ledger.flush(self.step_count)  # records cover every step a commit of this save includes
-        self._reports.expect(self.step_count, metrics)
         self._attempt.saving(self.step_count, asynchronous, reason)
-        self.checkpointer.save(
+        self._saves.start(
             self.step_count,
             self._state.state_dict(),
+            metrics,
             asynchronous=asynchronous,
             deferrable=self._state.changed_only_by_optimizer(),
             reason=reason,
             attach=attach,
         )
-        self._last_saved_step = self.step_count
         self._cadence.saved()
 
     @property
     def checkpoint_requested(self) -> bool:
         """api ray-train: should the function report a checkpoint now? The same answer on every rank, updated
         at each step (report): a reclaim notice, the driver ending this placement, or the spec's cadence."""
-        return self._requested is not None
+        return self._save_requests.reason is not None
 
     def save_reported(self, folder: str, metrics: dict | None = None) -> None:
         """api ray-train, every rank: the function reported a checkpoint folder at this step (`folder` is ""
         on a rank that passed none). Saved with the run's state and committed before this returns; a save
         asked for by a reclaim notice or the driver then ends this placement at it (PlacementEnded)."""
-        reason, self._requested = self._requested, None
-        self._wait_for_save()
+        reason = self._save_requests.take()
+        self._saves.wait()
         self.checkpoint(metrics, asynchronous=False, reason=reason or "reported", attach=folder)
-        if reason == "just-in-time":
-            self._ending.just_in_time(self._wait_for_save, metrics)
-        elif reason == "placement ending":
+        if reason == JUST_IN_TIME:
+            self._ending.just_in_time(self._saves.wait, metrics)
+        elif reason == PLACEMENT_ENDING:
             self._ending.at_checkpoint()
-        self._raise_if_failed(self._wait_for_save())
+        self._saves.wait_or_raise()
 
     def finish(self, metrics: dict | None = None) -> None:
         """Final checkpoint, waited for and reported with `metrics`: call at the end of training on every rank."""
         final = {"step": self.step_count, **(metrics or {})}
         self._tracking.finish(self.step_count, final)
-        if self._last_saved_step != self.step_count:
+        if self._saves.last_saved_step != self.step_count:
             self.checkpoint(metrics, asynchronous=False, reason="final")
-            self._raise_if_failed(self.checkpointer.wait())
-            self._report_ending(final)
+            self._saves.wait_or_raise()
+            self._saves.reports.report_ending(self.step_count, final)
             self._attempt.ended(self.step_count, "finished")
             return
-        self._chaos.before_final_report()
-        carried = self._reports.carry(self.step_count, final)  # the last save is of this very step
-        self._raise_if_failed(self.checkpointer.wait())
+        self._saves.report_final(self.step_count, final, before_report=self._chaos.before_final_report)
         self._attempt.ended(self.step_count, "finished")
-        reported = self._report_ending(final) or carried
-        # `carried` is each rank's own (has its reporter already sent that save's report?): rank 0's answer
-        # decides for every rank, or one rank would make one more ray.train.report than the others.
-        if self._reports.agree(reported):
-            return
-        # Already reported (or resumed at the end of a finished run: nothing new to save, and Ray knows that
-        # checkpoint). Report the metrics alone; never rewrite a committed folder in place.
-        ray_report(final)
 
     def ended_by_function(self) -> None:
         """api ray-train, when the function returned: its checkpoints are its own to report (no final save
         here, which would hold no folder of its); Ray is told of every commit before the worker leaves."""
         self._tracking.finish(self.step_count, {"step": self.step_count})
-        self._raise_if_failed(self._wait_for_save())
+        self._saves.wait_or_raise()
         self.drain_reports()
         self._attempt.ended(self.step_count, "finished")
 
@@ -474,18 +447,6 @@ class Session:
         self._attempt.close()
 
     # -- internals
-    def _start_ledger(
-        self, resumed_from: int, commit_time: float | None = None, load_started: float | None = None
-    ) -> None:
-        """Auditing only: every rank of this attempt files its records under one id, made by rank 0."""
-        if not isinstance(self._ledger, SampleLedger):
-            return
-        attempt = [new_attempt_id()]
-        if dist.is_initialized():
-            dist.broadcast_object_list(attempt, src=0, group=self._checkpoint_group)
-        self._ledger.attempt, self._ledger.resumed_from = attempt[0], resumed_from
-        self._ledger.resumed_commit_time, self._ledger.load_started = commit_time, load_started
-
     def _data_wait(self) -> float:
         """Seconds this rank waited for its batches since the last step (the session's loader measures it)."""
         take = getattr(self._state.tracked.get("data"), "take_wait_seconds", None)
@@ -498,67 +459,14 @@ class Session:
             return None
         return sampler.batch_size * self.world_size * self.spec.train.grad_accumulation
 
-    def _wait_for_save(self) -> SaveResult | None:
-        result = self.checkpointer.wait()
-        self._log_failure(result)
-        return result
-
-    def _request_checkpoint(self) -> None:
-        """api ray-train, at every step: note whether a checkpoint is wanted (every rank alike)."""
-        if self._ending.jit.due(self.step_count):
-            self._requested = "just-in-time"
-        elif self._requested != "just-in-time" and self._ending.watch.can_end and self._ending.watch.end_requested():
-            self._requested = "placement ending"
-        elif self._requested is None and self._cadence.due_on_every_rank(self.step_count):
-            self._requested = "periodic"
-
     def _save_now(self, metrics: dict | None) -> SaveResult | None:
         """A just-in-time checkpoint: after the save in flight, one of this step, waited for."""
-        self._wait_for_save()
+        self._saves.wait()
         self.checkpoint(metrics, asynchronous=False, reason="just-in-time")
-        return self._wait_for_save()
-
-    def _on_commit(self, result: SaveResult) -> None:
-        """After a commit, on every rank, in the save's thread: log it, queue its report to Ray (see
-        elastic.worker.reporting), prune (rank 0)."""
-        self._ending.jit.saved(result.total_seconds)
-        self._watchdog.saved(result.total_seconds)
-        self._attempt.committed(result)
-        self._telemetry.on_commit(result)
-        metrics = self._reports.metrics(result.step)
-        self.log(
-            f"checkpoint at step {result.step} committed (stall {result.blocked_seconds * 1000:.1f} ms, "
-            f"write {result.total_seconds:.2f} s): {_format(metrics)}"
-        )
-        self._reports.committed(result)
-        if self.is_chief:
-            pruned = self._retention.committed(result.step, result.files)
-            if pruned:
-                self.log(f"retention: pruned checkpoints at steps {', '.join(map(str, pruned))}")
-
-    def _on_failed_save(self, result: SaveResult) -> None:
-        if self.is_chief:
-            self._retention.failed(result.step)  # its torn folder goes once a newer save commits
-
-    def _report_ending(self, metrics: dict) -> bool:
-        return self._reports.report_ending(self.step_count, metrics)
+        return self._saves.wait()
 
     def drain_reports(self) -> None:
         """Wait until Ray has been told of every committed checkpoint (the worker entry, when the job's function
         returns without finish(); the benchmark harness between blocks). Every rank queues the same reports
         (rank 0 decides which), so every rank makes the same ray.train.report calls before it leaves."""
-        self._reports.drain()
-
-    def _log_failure(self, result: SaveResult | None) -> None:
-        if result is not None and not result.committed:
-            self._reports.forget(result.step)
-            self.log(f"checkpoint at step {result.step} FAILED after {result.attempts} attempts: {result.error}")
-
-    def _raise_if_failed(self, result: SaveResult | None) -> None:
-        if result is not None and not result.committed:
-            self._log_failure(result)
-            raise RuntimeError(f"final checkpoint at step {result.step} failed: {result.error}")
-
-
-def _format(metrics: dict) -> str:
-    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+        self._saves.reports.drain()

@@ -15,6 +15,7 @@ from elastic.worker.chaos import Chaos
 from elastic.worker.jit import NoJustInTime
 from elastic.worker.reporting import CommitReports
 from elastic.worker.run_ledger import NoAttemptLedger
+from elastic.worker.save_requests import SaveRequests
 from elastic.worker.session import Session
 from elastic.worker.telemetry import Telemetry
 from elastic.worker.training_state import TrainingState
@@ -39,7 +40,7 @@ def _bare_session() -> Session:
     session._chaos = Chaos(store=None, rank=0, plan=[])
     session._ending = _NoEnding()
     session._cadence = _NeverDue()
-    session._user_saves, session._requested = False, None
+    session._user_saves, session._save_requests = False, SaveRequests()
     session._telemetry = Telemetry(
         NoMetrics(), 0, CheckpointSpec(uri="/tmp/unused", every_steps=10), None, lambda: None
     )
@@ -102,9 +103,9 @@ def test_a_ray_train_function_is_asked_for_a_checkpoint_by_a_notice_the_driver_o
     asked = []
     for _ in range(10):
         session.step()
-        asked.append((session.step_count, session._requested))
+        asked.append((session.step_count, session._save_requests.reason))
         if session.step_count in (4, 7):
-            session._requested = None  # the function reported a checkpoint (save_reported clears it)
+            session._save_requests.take()  # the function reported a checkpoint (save_reported takes it)
     assert asked == [
         (1, None),
         (2, None),
