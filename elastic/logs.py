@@ -17,26 +17,33 @@ PREFIX = "[elastic] "
 
 
 class _StdoutHandler(logging.StreamHandler):
-    """Writes to whatever sys.stdout is at the time of the call (Ray Train swaps it in its workers)."""
+    """Writes to whatever sys.stdout (or sys.stderr) is at the time of the call (Ray Train swaps them in its
+    workers)."""
 
-    def __init__(self) -> None:
-        super().__init__(sys.stdout)
+    def __init__(self, to_stderr: bool = False) -> None:
+        self.to_stderr = to_stderr
+        super().__init__(sys.stderr if to_stderr else sys.stdout)
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.stream = sys.stdout
+        self.stream = sys.stderr if self.to_stderr else sys.stdout
         super().emit(record)
 
 
-def configure(level: str | int | None = None) -> None:
-    """Send the `elastic` loggers' lines to stdout as `[elastic] message` (warnings and errors say so).
+def configure(level: str | int | None = None, to_stderr: bool | None = None) -> None:
+    """Send the `elastic` loggers' lines to stdout (stderr with `to_stderr`: a command whose stdout is a JSON
+    document; None keeps what an earlier call chose) as `[elastic] message` (warnings and errors say so).
     Idempotent; `level` defaults to $ELASTIC_LOG_LEVEL, else INFO."""
     if level is None:
         level = os.environ.get(LEVEL_VARIABLE) or logging.INFO
     root = logging.getLogger("elastic")
     root.setLevel(level)
     root.propagate = False  # Ray's and the user's handlers on the root logger would print each line twice
-    if not any(isinstance(h, _StdoutHandler) for h in root.handlers):
-        handler = _StdoutHandler()
+    handlers = [h for h in root.handlers if isinstance(h, _StdoutHandler)]
+    if handlers:
+        if to_stderr is not None:
+            handlers[0].to_stderr = to_stderr
+    else:
+        handler = _StdoutHandler(bool(to_stderr))
         handler.setFormatter(_Formatter())
         root.addHandler(handler)
 

@@ -55,7 +55,8 @@ def cli(verbose: bool, quiet: bool) -> None:
     if level is not None:
         # Children (job drivers, workers, local daemons) read it from the environment.
         os.environ[logs.LEVEL_VARIABLE] = logging.getLevelName(level)
-    logs.configure(level)
+    # With --json, stdout holds the JSON document alone: log lines (a retried node start, say) go to stderr.
+    logs.configure(level, to_stderr="--json" in sys.argv[1:])
     # Exports of a local stack that is gone (a `down` and a new `up` since this shell's eval) would send the verb
     # to dead ports: dropped, with a warning. `local` verbs go by the stack's state file (`local up` warns itself).
     # Not inside the stack's own processes (its watchers start while `up` is still running) and not for the
