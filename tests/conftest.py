@@ -13,13 +13,13 @@ INTEGRATION = "tests/integration/"
 # first is how two workers finish together: a long module started late is the run's tail. A module not listed
 # goes after these, in collection order.
 MODULE_SECONDS = {
-    "test_submit_digits.py": 1461,
-    "test_preemption_e2e.py": 1100,
-    "test_cluster_rehearsal.py": 605,
-    "test_local_lifecycle.py": 540,
-    "test_sweep.py": 433,
-    "test_chaos_soak.py": 361,
-    "test_spot_first.py": 209,
+    "test_submit_digits.py": 1895,
+    "test_preemption_e2e.py": 1300,
+    "test_cluster_rehearsal.py": 753,
+    "test_sweep.py": 530,
+    "test_local_lifecycle.py": 470,
+    "test_chaos_soak.py": 367,
+    "test_spot_first.py": 211,
 }
 
 

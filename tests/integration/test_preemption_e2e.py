@@ -62,46 +62,69 @@ def baseline(stack) -> dict:
     return final_tensors(stack, "digits-ddp-base")
 
 
-def test_noticed_reclaim_resumes_from_the_just_in_time_checkpoint_with_nothing_lost(stack, baseline, tmp_path):
+def test_a_noticed_reclaim_loses_no_step_and_a_hard_one_goes_back_to_the_last_periodic_checkpoint(
+    stack, baseline, tmp_path
+):
+    """One run, two reclaims: a noticed one (the node's watcher drains it; a just-in-time checkpoint ends the
+    placement, the run resumes from it: 0 steps lost, Ray restarts nothing), then, after a periodic checkpoint
+    of the resumed placement, one without notice (back to that checkpoint). The final model and optimizer equal
+    the uninterrupted run's, tensor for tensor."""
     cli = stack["cli"]
     run = Submission(cli, "--suffix", "notice", "--set", f"config.epochs={EPOCHS}")
     run.wait_for("epoch 2 step")
-    report = preempt(cli, "--market", "spot", "--notice", "12", "--replace-after", "0")
+    reclaim = preempt(cli, "--market", "spot", "--notice", "12", "--replace-after", "0")["reclaims"][0]
+    run.wait_for("resumed from checkpoint at step")
+    jit = [int(s) for s in JIT_LINE.findall(run.output)]
+    assert len(jit) == 1, run.output[-4000:]
+    periodic = (jit[0] // 50 + 1) * 50  # every_steps: 50
+    run.wait_for(f"checkpoint at step {periodic} committed")
+    hard = preempt(cli, "--market", "spot", "--hard", "--replace-after", "0")["reclaims"][0]
     output = run.finish()
 
-    reclaim = report["reclaims"][0]
     assert reclaim["path"] == "metadata" and reclaim["replacement"] is not None  # via the node's watcher
+    assert hard["path"] == "hard"
     assert "preemption notice for node(s) " + reclaim["node_id"][:12] in output
-    jit = [int(s) for s in JIT_LINE.findall(output)]
-    assert len(jit) == 1, output[-4000:]
+    assert len(JIT_LINE.findall(output)) == 1, output[-4000:]  # none at the hard kill
     resumed = [(int(a), int(b), int(c)) for a, b, c in RESUMED_LINE.findall(output)]
-    assert resumed == [(jit[0], 2, 2)]  # from the just-in-time step: zero steps lost
-    assert "[FailurePolicy] RETRY" not in output  # the placement ended cleanly; Ray restarted nothing
+    assert resumed[0] == (jit[0], 2, 2), resumed  # from the just-in-time step: zero steps lost
+    # Without notice, back to a periodic checkpoint of the resumed placement: fewer than an interval lost.
+    assert len(resumed) == 2 and resumed[1][0] >= periodic and resumed[1][0] % 50 == 0, resumed
+    # The noticed reclaim ended its placement cleanly; the hard kill is Ray Train's restart within the next.
     placements = summary(stack, "digits-ddp-notice")["placements"]
     assert [(p["workers"], p.get("ended_by"), p.get("ended_at_step")) for p in placements] == [
         (2, "preemption", jit[0]),
         (2, None, None),
     ]
     assert_same_weights(final_tensors(stack, "digits-ddp-notice"), baseline)
-    assert_report_accounts_for_the_reclaim(cli, "digits-ddp-notice", jit[0], placements, reclaim, tmp_path)
+    assert_report_accounts_for_the_reclaims(
+        cli, "digits-ddp-notice", jit[0], resumed[1][0], placements, reclaim, tmp_path
+    )
 
 
-def assert_report_accounts_for_the_reclaim(cli, run: str, jit: int, placements: list, reclaim: dict, tmp_path):
-    """`elastic report` from the run's ledger alone: one preemption, nothing lost, every second of wall time
-    given to one cause, the placements of the run summary, priced by the local nodes' instance type."""
+def assert_report_accounts_for_the_reclaims(
+    cli, run: str, jit: int, back_to: int, placements: list, reclaim: dict, tmp_path
+):
+    """`elastic report` from the run's ledger alone: two preemptions, the noticed one losing nothing and the
+    hard one going back to `back_to`, every second of wall time given to one cause, the placements of the run
+    summary, priced by the local nodes' instance type."""
     png = tmp_path / "timeline.png"
     proc = cli.run("report", run, "--json", "--png", str(png), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
-    assert report["preemptions"] == 1 and report["lost_steps"] == 0, report["preemption_details"]
+    # The hard kill is in the report only once Ray has declared its node dead (its health checks, ~15 s): the
+    # run may end before that, and the driver reads node deaths when the run ends.
+    assert report["preemptions"] in (1, 2), report["preemption_details"]
     assert 0 < report["goodput"] <= 1
     assert abs(report["productive_s"] + sum(report["badput"].values()) - report["wall_s"]) <= 0.01 * report["wall_s"]
     assert [(p["workers"], p["ended_by"], p["ended_at_step"]) for p in report["placements"]] == [
         (p["workers"], p.get("ended_by") or "finished", p.get("ended_at_step")) for p in placements
     ]
-    (details,) = report["preemption_details"]
+    details, *hard = report["preemption_details"]
     assert details["nodes"] == [reclaim["node_id"]]
     assert (details["just_in_time_step"], details["resumed_from_step"], details["steps_lost"]) == (jit, jit, 0)
+    for death in hard:
+        assert death["notice"] is None and death["resumed_from_step"] == back_to, death
+        assert report["lost_steps"] == death["steps_lost"] < 50, report["preemption_details"]
     if reclaim["killed_at"] < report["started"] + report["wall_s"]:  # the node died while the run went on
         assert details["node_died"] is not None and details["node_died"] >= details["notice"]
     assert report["badput"]["checkpoint_stall"] > 0 and report["badput"]["preemption_gap"] > 0
@@ -151,26 +174,14 @@ def test_two_spot_nodes_reclaimed_at_once_shrink_the_run_and_every_sample_is_see
     assert verdict.ok, verdict
 
 
-def test_hard_kill_resumes_from_the_last_periodic_checkpoint(stack, baseline):
-    cli = stack["cli"]
-    run = Submission(cli, "--suffix", "hard", "--set", f"config.epochs={EPOCHS}")
-    run.wait_for("checkpoint at step 100 committed")
-    report = preempt(cli, "--market", "spot", "--hard", "--replace-after", "0")
-    output = run.finish()
-
-    assert report["reclaims"][0]["path"] == "hard"
-    assert not JIT_LINE.search(output)
-    resumed = [int(a) for a, _, _ in RESUMED_LINE.findall(output)]
-    assert resumed and all(step % 50 == 0 and step >= 100 for step in resumed), resumed  # every_steps: 50
-    assert_same_weights(final_tensors(stack, "digits-ddp-hard"), baseline)
-
-
 def test_recovery_benchmark_runs_side_by_side_and_loses_nothing_to_a_noticed_reclaim(stack):
-    """`elastic bench recovery --json` (without the 10-minute goodput run): a noticed reclaim of our run, a hard
+    """`elastic bench recovery --notice 10 --json` (without the 10-minute goodput run): a noticed reclaim of our run, a hard
     kill of it, and a noticed reclaim of a bare Ray Train loop, one after the other on this stack."""
     import math
 
-    proc = stack["cli"].run("bench", "recovery", "--json", timeout=900)
+    # A 10 s notice (the default is 20): each of the three reclaims waits out its notice; 10 s leave the
+    # just-in-time save (about a second here) and the watcher's drain ample room.
+    proc = stack["cli"].run("bench", "recovery", "--notice", "10", "--json", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["lost_steps_notice"] == 0, result  # the just-in-time checkpoint held the last step
