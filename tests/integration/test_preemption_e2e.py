@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 from conftest import make_cli
@@ -232,6 +234,7 @@ def test_a_ray_train_function_loses_no_step_to_a_noticed_reclaim_and_resumes_exa
     moments = lambda state: [t for s in state["optimizer"]["state"].values() for t in s.values()]  # noqa: E731
     assert all(torch.equal(a, b) for a, b in zip(moments(base), moments(spot), strict=True))
 
+    assert_the_verbs_of_a_run_work(cli, "raytrain-mnist-spot", jit[0], RAYTRAIN_EPOCHS * 5)
     proc = cli.run("report", "raytrain-mnist-spot", "--json", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     details = json.loads(proc.stdout)["preemption_details"]
@@ -250,7 +253,8 @@ def test_a_hugging_face_trainer_saves_at_a_reclaim_notice_and_resumes_to_the_sam
     cli = stack["cli"]
     steps = ("--set", f"config.max_steps={HF_STEPS}")
     cli.run("submit", "jobs/hf_gpt2.yaml", "--suffix", "base", *steps, "--follow", check=True)
-    run = Submission(cli, "--suffix", "spot", *steps, job="jobs/hf_gpt2.yaml")
+    tensorboard = ("--set", f"tracking.tensorboard=s3://{stack['bucket']}/tensorboard")
+    run = Submission(cli, "--suffix", "spot", *steps, *tensorboard, job="jobs/hf_gpt2.yaml")
     run.wait_for("checkpoint at step 40 committed")
     report = preempt(cli, "--market", "spot", "--notice", "8", "--replace-after", "0")
     output = run.finish()
@@ -270,3 +274,39 @@ def test_a_hugging_face_trainer_saves_at_a_reclaim_notice_and_resumes_to_the_sam
     assert any(k.startswith("files/model.safetensors/") for k in spot)
     assert any(k.startswith("files/optimizer.pt/state.") for k in spot)
     assert_same_weights(spot, base)
+    assert_the_verbs_of_a_run_work(cli, "hf-gpt2-spot", jit[0], HF_STEPS)
+    # The Trainer's logged loss reached tracking too (every 10 steps), before the reclaim and after the resume.
+    tb_steps = tensorboard_steps(stack, "hf-gpt2-spot", "loss")
+    assert min(tb_steps) < jit[0] < max(tb_steps) and max(tb_steps) == HF_STEPS, tb_steps
+
+
+def tensorboard_steps(stack, run: str, tag: str) -> set[int]:
+    """The steps of `tag` in the run's TensorBoard event files in the bucket, read with TensorBoard's reader."""
+    import s3fs
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    env = stack["env"]
+    fs = s3fs.S3FileSystem(
+        key=env["AWS_ACCESS_KEY_ID"],
+        secret=env["AWS_SECRET_ACCESS_KEY"],
+        client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL"], "region_name": "us-east-1"},
+    )
+    local = Path(tempfile.mkdtemp(prefix="elastic-tb-"))
+    fs.get(f"{stack['bucket']}/tensorboard/{run}/", str(local / run), recursive=True)
+    events = EventMultiplexer().AddRunsFromDirectory(str(local))
+    events.Reload()
+    return {e.step for e in events.Scalars(run, tag)}
+
+
+def assert_the_verbs_of_a_run_work(cli, run: str, jit: int, steps: int) -> None:
+    """status, logs, report and checkpoints ls of a run whose function saved its own checkpoints (api
+    ray-train or transformers) and met one noticed reclaim: as for a session job."""
+    rows = [row for row in json.loads(cli.run("status", "--json", check=True).stdout) if row["run"] == run]
+    assert [row["status"] for row in rows] == ["SUCCEEDED"], rows
+    assert f"just-in-time checkpoint at step {jit} committed" in cli.run("logs", run, check=True).stdout
+    report = json.loads(cli.run("report", run, "--json", check=True).stdout)
+    assert report["preemptions"] >= 1 and report["preemption_details"][0]["steps_lost"] == 0, report
+    # The function's logged loss reached the run ledger (the report's loss curve), up to the last step.
+    assert report["loss"] and report["loss"][-1][1] <= steps and report["steps"] == steps, report["loss"][-3:]
+    listed = json.loads(cli.run("checkpoints", "ls", run, "--json", check=True).stdout)
+    assert listed[-1]["step"] == steps and all(c["committed"] for c in listed), listed
