@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -108,13 +109,15 @@ def run_ray_train_function(session: Session, function: Callable[..., Any]) -> No
 
 def logical_gpus_on_cpu(session: Session) -> None:
     """The local stack's GPUs are logical (a CPU machine stands in for GPU nodes): Ray Train's torch helpers pick
-    CUDA from the worker's GPU resource alone and fail without it (torch.cuda.Stream in prepare_data_loader).
-    There, point them at the CPU, as the session does for its own jobs. Ray has no public switch for this; on a
+    CUDA from the worker's GPU resource alone and fail without it (torch.cuda.Stream in prepare_data_loader), and
+    Ray Train told Accelerate the same (ACCELERATE_TORCH_DEVICE=cuda:N, which the Trainer's state takes as is).
+    There, point both at the CPU, as the session does for its own jobs. Ray has no public switch for this; on a
     real GPU nothing changes."""
     import ray
 
     if torch.cuda.is_available() or not ray.get_runtime_context().get_accelerator_ids().get("GPU"):
         return
+    os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"
     try:
         from ray.air._internal import device_manager
     except ImportError:  # another Ray: its helpers stay as they are

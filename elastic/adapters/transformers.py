@@ -101,12 +101,13 @@ def elastic_callback():
             self.logs: dict[str, float] = {}
 
         def on_log(self, args, state, control, logs=None, **kwargs):
+            # The Trainer logs after on_step_end: these are the logs of the step the session just counted.
             self.logs = {k: float(v) for k, v in (logs or {}).items() if isinstance(v, (int, float))}
+            if state.global_step == self.session.step_count:
+                self.session.log_metrics(self.logs)
 
         def on_step_end(self, args, state, control, **kwargs):
-            # The Trainer logs after this call: these are the last step's logs, given once (not carried on).
-            self.session.step(self.logs)
-            self.logs = {}
+            self.session.step()
             if self.session.checkpoint_requested:
                 control.should_save = True  # the Trainer saves at this very step; on_save commits it
 

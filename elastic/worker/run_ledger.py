@@ -46,6 +46,9 @@ class NoAttemptLedger:
     def stepped(self, step: int, metrics: dict | None, data_wait: float = 0.0) -> None:
         pass
 
+    def noted(self, metrics: dict) -> None:
+        pass
+
     def saving(self, step: int, asynchronous: bool, reason: str) -> None:
         pass
 
@@ -127,6 +130,11 @@ class AttemptLedger:
             self._metrics = metrics
         if self._clock() - self._window_start >= WINDOW_SECONDS:
             self._close_window()
+
+    def noted(self, metrics: dict) -> None:
+        """Metrics of the step just taken, known only after its step() (see Session.log_metrics)."""
+        if metrics:
+            self._metrics = metrics
 
     def saving(self, step: int, asynchronous: bool, reason: str) -> None:
         """A save of `step` starts now: the window closes here, so a checkpoint step is always a boundary."""

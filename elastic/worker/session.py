@@ -361,6 +361,12 @@ class Session:
         for hook in self._step_hooks:
             hook(self.step_count, metrics)
 
+    def log_metrics(self, metrics: dict) -> None:
+        """Metrics of the step just taken that a framework computes after its step-end hook (the Trainer logs
+        after `on_step_end`): to the run ledger and to tracking at that step, as if given to step()."""
+        self._attempt.noted(metrics)
+        self._tracking.on_step(self.step_count, metrics)
+
     def checkpoint(
         self,
         metrics: dict | None = None,
