@@ -8,11 +8,12 @@ reclaim notice, and resumes a restarted run from the newest checkpoint.
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"
 
@@ -31,6 +32,16 @@ class ByteWindows(Dataset):
     def __getitem__(self, index: int) -> dict:
         ids = self.windows[index]
         return {"input_ids": ids, "labels": ids}
+
+
+class Pace(TrainerCallback):
+    """config pace_seconds: a pause after each step, so a demo's reclaim lands mid-run even on a fast machine."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(self.seconds)
 
 
 def build_trainer(config: dict) -> Trainer:
@@ -67,4 +78,6 @@ def build_trainer(config: dict) -> Trainer:
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
     )
-    return Trainer(model=model, args=args, train_dataset=ByteWindows(length))
+    pace = config.get("pace_seconds", 0.0)
+    callbacks = [Pace(pace)] if pace else []
+    return Trainer(model=model, args=args, train_dataset=ByteWindows(length), callbacks=callbacks)

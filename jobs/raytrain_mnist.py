@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,7 @@ def train_func_per_worker(config: dict) -> None:
     lr, epochs = config.get("lr", 1e-3), config.get("epochs", 10)
     batch_size = config.get("batch_size_per_worker", 32)
     report_every = config.get("report_every", 5)
+    pace = config.get("pace_seconds", 0.0)
     torch.manual_seed(config.get("seed", 0))
 
     train_loader, test_loader = get_dataloaders(batch_size, config.get("seed", 0))
@@ -106,6 +108,7 @@ def train_func_per_worker(config: dict) -> None:
             if last:
                 metrics["accuracy"] = evaluate(model, test_loader)
             # [3] A checkpoint at each epoch's end, and whenever elastic asks (a reclaim notice is near).
+            time.sleep(pace)  # config pace_seconds: a demo's reclaim lands mid-run even on a fast machine
             if not (last or elastic.train.checkpoint_requested()):
                 ray.train.report(metrics)
                 continue

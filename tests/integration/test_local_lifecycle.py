@@ -25,7 +25,6 @@ from elastic.local.s3_faults import FaultControl
 
 pytestmark = pytest.mark.integration
 
-WORKER_LINE = re.compile(r"worker rank (\d+)/(\d+) on node ([0-9a-f]+) market=(\S+)")
 RESUMED_LINE = re.compile(r"resumed from checkpoint at step (\d+) ")
 # digits_ddp at a fixed 2 workers, on whatever nodes are free (the stack has one spot and one on-demand),
 # 230 steps with a checkpoint every 10: the cut (seconds after step 20, while `down` stops the stack) lands
@@ -192,46 +191,3 @@ def test_the_readme_flow_repeated_in_one_shell_starts_every_stack(tmp_path, cli_
         # From the second `up` on, the shell held the previous stack's exports: named, and ignored.
         warned = "variables of a local stack that is gone" in (tmp_path / f"up-{i}.err").read_text()
         assert warned == (i > 1)
-
-
-def test_logical_gpus_run_the_gpu_path_on_cpu(tmp_path_factory, cli_factory):
-    """--gpus-per-node declares logical GPUs: a job asking for GPUs is scheduled by them and trains on gloo."""
-    cli = cli_factory(tmp_path_factory.mktemp("elastic-home-gpu"))
-    try:
-        up = json.loads(
-            cli.run(
-                "local",
-                "up",
-                "--spot",
-                "1",
-                "--on-demand",
-                "0",
-                "--gpus-per-node",
-                "2",
-                "--json",
-                check=True,
-                timeout=300,
-            ).stdout
-        )
-        assert [n["gpus"] for n in up["nodes"] if n["role"] == "worker"] == [2]
-        proc = cli.run(
-            "submit",
-            "jobs/digits_ddp.yaml",
-            "--suffix",
-            "gpu",
-            "--set",
-            "workers.gpus=1",
-            "--set",
-            "workers.min=2",
-            "--set",
-            "workers.cpus=0.5",
-            "--set",
-            "config.epochs=1",
-            "--follow",
-            check=True,
-            timeout=300,
-        )
-        assert "SUCCEEDED" in proc.stdout
-        assert len({m[1] for m in WORKER_LINE.finditer(proc.stdout)}) == 2  # two ranks, one logical GPU each
-    finally:
-        cli.run("local", "down", timeout=120)

@@ -18,8 +18,12 @@ from run_helpers import Submission, assert_same_weights, attached_checkpoint, fi
 pytestmark = pytest.mark.integration
 
 EPOCHS = 120  # 2,760 steps at 2 workers: 25-30 s on a quiet machine, so a reclaim lands mid-run
-HF_STEPS = 200  # optimizer steps of jobs/hf_gpt2.py: ~40 s, so a notice's just-in-time save lands mid-run
-RAYTRAIN_EPOCHS = 60  # 300 reports (steps) of jobs/raytrain_mnist.py: ~40 s, room for a notice and a hard kill
+HF_STEPS = 200  # optimizer steps of jobs/hf_gpt2.py
+RAYTRAIN_EPOCHS = 60  # 300 reports (steps) of jobs/raytrain_mnist.py
+# The interrupted Trainer and Ray Train runs pause after each step (the jobs' pace_seconds; the weights are the
+# same): a notice or a hard kill lands mid-run however fast this machine trains (unpaced, a quiet machine ran
+# 200 Trainer steps in 9.5 s, while on a loaded one a notice took ~200 Ray Train steps to arrive).
+PACE = ("--set", "config.pace_seconds=0.25")
 JIT_LINE = re.compile(r"just-in-time checkpoint at step (\d+) committed")
 RESUMED_LINE = re.compile(r"resumed from checkpoint at step (\d+) \(\S+, written by (\d+) workers, now (\d+)\)")
 
@@ -206,7 +210,7 @@ def test_a_ray_train_function_loses_no_step_to_a_noticed_reclaim_and_resumes_exa
     cli = stack["cli"]
     epochs = ("--set", f"config.epochs={RAYTRAIN_EPOCHS}")
     cli.run("submit", "jobs/raytrain_mnist.yaml", "--suffix", "base", *epochs, "--follow", check=True)
-    run = Submission(cli, "--suffix", "spot", *epochs, job="jobs/raytrain_mnist.yaml")
+    run = Submission(cli, "--suffix", "spot", *epochs, *PACE, job="jobs/raytrain_mnist.yaml")
     run.wait_for("checkpoint at step 10 committed")
     preempt(cli, "--market", "spot", "--notice", "8", "--replace-after", "0")
     run.wait_for("ray.train.get_checkpoint() returns the checkpoint of step")
@@ -254,7 +258,7 @@ def test_a_hugging_face_trainer_saves_at_a_reclaim_notice_and_resumes_to_the_sam
     steps = ("--set", f"config.max_steps={HF_STEPS}")
     cli.run("submit", "jobs/hf_gpt2.yaml", "--suffix", "base", *steps, "--follow", check=True)
     tensorboard = ("--set", f"tracking.tensorboard=s3://{stack['bucket']}/tensorboard")
-    run = Submission(cli, "--suffix", "spot", *steps, *tensorboard, job="jobs/hf_gpt2.yaml")
+    run = Submission(cli, "--suffix", "spot", *steps, *tensorboard, *PACE, job="jobs/hf_gpt2.yaml")
     run.wait_for("checkpoint at step 40 committed")
     report = preempt(cli, "--market", "spot", "--notice", "8", "--replace-after", "0")
     output = run.finish()

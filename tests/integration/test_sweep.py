@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "jobs" / "digits_ddp.yaml"
+WORKER_LINE = re.compile(r"worker rank (\d+)/\d+ on node ([0-9a-f]+) market=\S+ device=cpu")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,19 @@ def read(fs, path: str):
         return None
     with fs.open(path, "r") as handle:
         return json.load(handle)
+
+
+def test_logical_gpus_run_the_gpu_path_on_cpu(stack):
+    """--gpus-per-node declares logical GPUs: a job asking for GPUs is scheduled by them (two ranks on the two
+    spot nodes, one logical GPU each) and trains on the CPU over gloo."""
+    assert [n["gpus"] for n in stack["nodes"] if n["role"] == "worker"] == [1, 1, 1]
+    one_gpu_each = ("--set", "workers.gpus=1", "--set", "workers.cpus=0.5", "--set", "config.epochs=1")
+    proc = stack["cli"].run(
+        "submit", str(DIGITS), "--suffix", "gpu", *one_gpu_each, "--follow", check=True, timeout=600
+    )
+    assert "SUCCEEDED" in proc.stdout
+    ranks = {(m[1], m[2]) for m in WORKER_LINE.finditer(proc.stdout)}
+    assert len(ranks) == 2 and len({node for _, node in ranks}) == 2, ranks
 
 
 def test_four_trials_share_one_gpu_at_once(stack):
