@@ -36,13 +36,16 @@ COMMON = [
     "--set",
     "runtime_env.env_vars.ELASTIC_PLACEMENT_POLL_SECONDS='1'",
 ]
-# Steps sleep while on on-demand (tests/integration/jobs/slow_on_demand.py), so spot returns mid-run however
-# slow the machine; the numbers trained are the digits job's own.
+# Steps sleep while on on-demand, and from step 40 on an on-demand placement waits for a live spot node
+# (tests/integration/jobs/slow_on_demand.py), so spot returns mid-run however slow the machine or the node's
+# start; the numbers trained are the digits job's own.
 SLOW = [
     "--set",
     "entrypoint=tests/integration/jobs/slow_on_demand.py:train",
     "--set",
     "config.on_demand_step_delay=0.4",
+    "--set",
+    "config.on_demand_hold_from_step=40",
 ]
 
 
