@@ -17,7 +17,10 @@ from run_helpers import Submission, assert_same_weights, attached_checkpoint, fi
 
 pytestmark = pytest.mark.integration
 
-EPOCHS = 120  # 2,760 steps at 2 workers: 25-30 s on a quiet machine, so a reclaim lands mid-run
+EPOCHS = 60  # 1,380 steps at 2 workers
+# The interrupted digits runs sleep 0.02 s after each step (the chaos hook's pace; no number changes): ~40 s on a
+# quiet machine, so both reclaims land mid-run, while the sleeping leaves the CPUs to the other tests.
+DIGITS_PACE = ("--set", "runtime_env.env_vars.ELASTIC_CHAOS_STEP_SECONDS=0.02")
 HF_STEPS = 200  # optimizer steps of jobs/hf_gpt2.py
 RAYTRAIN_EPOCHS = 60  # 300 reports (steps) of jobs/raytrain_mnist.py
 # The interrupted Trainer and Ray Train runs pause after each step (the jobs' pace_seconds; the weights are the
@@ -76,7 +79,7 @@ def test_a_noticed_reclaim_loses_no_step_and_a_hard_one_goes_back_to_the_last_pe
     of the resumed placement, one without notice (back to that checkpoint). The final model and optimizer equal
     the uninterrupted run's, tensor for tensor."""
     cli = stack["cli"]
-    run = Submission(cli, "--suffix", "notice", "--set", f"config.epochs={EPOCHS}")
+    run = Submission(cli, "--suffix", "notice", "--set", f"config.epochs={EPOCHS}", *DIGITS_PACE)
     run.wait_for("epoch 2 step")
     reclaim = preempt(cli, "--market", "spot", "--notice", "12", "--replace-after", "0")["reclaims"][0]
     run.wait_for("resumed from checkpoint at step")
@@ -157,6 +160,7 @@ def test_two_spot_nodes_reclaimed_at_once_shrink_the_run_and_every_sample_is_see
         "workers.min=1",
         "--set",
         "runtime_env.env_vars.ELASTIC_AUDIT=1",
+        *DIGITS_PACE,
     )
     run.wait_for("epoch 2 step")
     # Like nodes come back 5 s after the kill (as an autoscaler would): the run, shrunk to the one spot node
