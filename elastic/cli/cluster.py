@@ -48,7 +48,14 @@ def cluster_validate(config_file: Path, as_json: bool) -> None:
 @click.argument("config_file", type=click.Path(dir_okay=False, exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the report (phases, durations, lost_steps) as JSON.")
 @click.option("--keep", is_flag=True, help="Keep the rehearsal's folder (node HOMEs, logs); kept anyway on failure.")
-def cluster_rehearse(config_file: Path, as_json: bool, keep: bool) -> None:
+@click.option(
+    "--venv",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    help="A virtualenv (python3 -m venv PATH) that stands in for ~/elastic-venv on every node, as a machine image "
+    "with it baked in would: the config's venv command finds it, its pip install of the checkout still runs. "
+    "Rehearsing again with the same folder skips reinstalling torch and Ray.",
+)
+def cluster_rehearse(config_file: Path, as_json: bool, keep: bool, venv: Path | None) -> None:
     """Play a `ray up` config's node life cycle on this machine, everything but `ray up`'s cloud calls: copy its
     file_mounts, run its setup and head commands in a fresh HOME with a fresh venv, start one spot and one
     on-demand worker with their labels (the spot node's watcher against a local metadata server), submit
@@ -66,7 +73,9 @@ def cluster_rehearse(config_file: Path, as_json: bool, keep: bool) -> None:
     from elastic.rehearsal.runner import rehearse
 
     try:
-        report = rehearse(config_file, keep=keep, progress=lambda line: click.echo(f"[rehearse] {line}", err=True))
+        report = rehearse(
+            config_file, keep=keep, venv=venv, progress=lambda line: click.echo(f"[rehearse] {line}", err=True)
+        )
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise UserError(
             f"{config_file}: not a YAML cluster config ({type(err).__name__}); pass a `ray up` YAML"

@@ -61,6 +61,7 @@ log = logging.getLogger("elastic.rehearsal")
 BUCKET = "elastic"
 JOB = "jobs/digits_ddp.yaml"
 SHIM_DIR = ".rehearsal-bin"  # in each node's HOME
+VENV = "elastic-venv"  # in each node's HOME: where the configs' setup commands install elastic
 # The node dies this long after the notice. AWS's notice says when (a 2-minute notice is shortened here to keep
 # the rehearsal short); GCP's `preempted` flag does not, and its ~30 s is what every watcher plans for.
 RECLAIM_NOTICE_SECONDS = {"aws": 12.0, "gcp": 30.0}
@@ -68,9 +69,14 @@ JOB_TIMEOUT_SECONDS = 900.0
 
 
 def rehearse(
-    config_path: Path, keep: bool = False, s3: str = "seaweedfs", progress: Callable[[str], None] = log.info
+    config_path: Path,
+    keep: bool = False,
+    s3: str = "seaweedfs",
+    progress: Callable[[str], None] = log.info,
+    venv: Path | None = None,
 ) -> Report:
-    """Raises PlanError (before starting anything) for a config that cannot be rehearsed."""
+    """Raises PlanError (before starting anything) for a config that cannot be rehearsed. `venv`: a
+    virtualenv linked in as every node's ~/elastic-venv (a machine image with it baked in)."""
     import yaml
 
     config = yaml.safe_load(config_path.read_text())
@@ -80,9 +86,11 @@ def rehearse(
     if provider not in ("aws", "gcp"):
         raise PlanError(f"provider {provider!r}: a rehearsal plays `ray up` configs for aws and gcp")
     pick_node_types(config)
+    if venv is not None and not (venv / "bin" / "python").exists():
+        raise PlanError(f"--venv {venv}: no bin/python there; make one with `python3 -m venv {venv}`")
     report = Report(str(config_path), provider)
     work = Path(tempfile.mkdtemp(prefix="elastic-rehearsal-"))
-    rehearsal = _Rehearsal(config, provider, work, report, s3, progress)
+    rehearsal = _Rehearsal(config, provider, work, report, s3, progress, venv)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         rehearsal.run()
@@ -112,9 +120,11 @@ def _interrupt(*_) -> None:
 
 
 class _Rehearsal:
-    def __init__(self, config: dict, provider: str, work: Path, report: Report, s3: str, progress):
+    def __init__(
+        self, config: dict, provider: str, work: Path, report: Report, s3: str, progress, venv: Path | None = None
+    ):
         self.config, self.provider, self.work, self.report, self.s3 = config, provider, work, report, s3
-        self.progress = progress
+        self.progress, self.venv = progress, venv
         self.marker = f"rehearsal-{uuid.uuid4().hex[:12]}"
         self.roots: list[processes.Launched] = []
         self.laptop_home = work / "laptop"
@@ -155,6 +165,8 @@ class _Rehearsal:
                 )
             phase.detail["copied"] = mounts[HEAD]
         head = self.nodes[HEAD]
+        if self.venv is not None:  # baked into the image: the config's `test -x ~/elastic-venv/bin/python` finds it
+            (head.home / VENV).symlink_to(self.venv.resolve())
         with self.phase("head") as phase:
             phase.detail["commands"] = self._run_node(head)
             self._wait_for_job_api()
@@ -288,9 +300,9 @@ class _Rehearsal:
     def _share_venv(self) -> None:
         """Workers use the head's venv (one install per rehearsal): their `test -x ~/elastic-venv/bin/python`
         finds it, and their pip install of the checkout finds its requirements met."""
-        venv = self.nodes[HEAD].home / "elastic-venv"
+        venv = self.nodes[HEAD].home / VENV
         for role in (SPOT, ON_DEMAND):
-            link = self.nodes[role].home / "elastic-venv"
+            link = self.nodes[role].home / VENV
             if venv.exists() and not link.exists():
                 link.symlink_to(venv)
 

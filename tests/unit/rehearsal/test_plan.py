@@ -133,3 +133,19 @@ def test_the_spot_watcher_case_matches_the_labels_as_ray_exports_them():
         exports = as_ray_runs_it(probe, watcher.env)[4].split("&& (", 1)[1].rsplit(")", 1)[0]
         out = subprocess.run(["bash", "-c", exports], capture_output=True, text=True).stdout.strip()
         assert out == expected, (exports, out)
+
+
+def test_a_venv_without_a_python_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from elastic.cli import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(
+        sys, "argv", ["elastic", "cluster", "rehearse", "cluster-configs/aws-spot-gpu.yaml", "--venv", str(tmp_path)]
+    )
+    with pytest.raises(SystemExit) as exited:
+        main()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(lines) == 1, lines
+    assert f"--venv {tmp_path}: no bin/python there; make one with `python3 -m venv {tmp_path}`" in lines[0]
