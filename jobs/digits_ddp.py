@@ -74,7 +74,8 @@ def train(session) -> None:
         loss = F.cross_entropy(logits, y.to(session.device), reduction="sum") / max(len(y), 1)
         # backward, optimizer step (precision, accumulation, NaN guard from the spec's `train:`), checkpoints
         total, count = total + loss.item(), count + 1
-        session.optimize(loss, {"epoch": epoch, "loss": loss.item(), "mean_loss": total / count})
+        lr = optimizer.param_groups[0]["lr"]  # reported: a sweep's PBT mutates it
+        session.optimize(loss, {"epoch": epoch, "loss": loss.item(), "mean_loss": total / count, "lr": lr})
 
     score = accuracy(session, model, test_set)
     session.log(f"epoch {epochs - 1} step {session.step_count} held-out accuracy {score:.4f}")

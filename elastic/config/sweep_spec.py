@@ -77,6 +77,13 @@ class SchedulerSpec(_Frozen):
     mutate: list[str] = Field(
         default_factory=list, description="pbt: space keys to perturb (default: every non-grid key)."
     )
+    quantile_fraction: float = Field(
+        default=0.25,
+        gt=0,
+        le=0.5,
+        description="pbt: the bottom fraction of trials that clone (exploit) one of the top fraction at each "
+        "perturbation (0.5 with two trials).",
+    )
 
     @model_validator(mode="after")
     def _grace_within_max(self) -> SchedulerSpec:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import asdict
 
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
@@ -74,12 +73,9 @@ def build_trainer(
     }
     if sharing is not None:
         workers, function = workers.model_copy(update={"gpus": sharing.share}), trial_worker_main
-        payload["sharing"] = asdict(sharing)
-        if sharing.report_to_tune:
-            # Tune only inside a sweep trial: a plain job's driver need not load it.
-            from ray.tune.integration.ray_train import TuneReportCallback
-
-            callbacks = [TuneReportCallback()]
+        payload["sharing"] = sharing.worker_payload()
+        if sharing.tune_callback is not None:  # a sweep trial's reports (and checkpoints) to Tune
+            callbacks = [sharing.tune_callback]
     scaling = scaling_config(
         workers,
         placement.market if placement else None,

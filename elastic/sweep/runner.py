@@ -125,7 +125,6 @@ def run_probe(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> pac
                 memory_fraction=1.0,
                 strategy=packing.rank_placement(job.workers.min, 1.0),
                 probe_steps=cfg.probe_steps,
-                report_to_tune=False,
             ),
         )
         run_uri = run_directory(probe_job, run_name)
@@ -177,6 +176,7 @@ def scheduler(sweep: SweepSpec):
             time_attr=spec.time_attr,
             perturbation_interval=spec.perturbation_interval,
             hyperparam_mutations={k: space[k] for k in sweep.pbt_keys()},
+            quantile_fraction=spec.quantile_fraction,
         )
     return FIFOScheduler()
 
@@ -270,6 +270,9 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
                 storage_path=root_path,
                 storage_filesystem=root_fs,
                 failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
+                # A trial's Tune checkpoints are pointers to its committed ones (elastic.sweep.tune_reports);
+                # PBT clones the newest, so two are plenty.
+                checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
                 callbacks=[Progress(), SchedulerState(trial_scheduler)],
                 verbose=0,
             ),
@@ -319,6 +322,7 @@ def report(sweep: SweepSpec, job: JobSpec, results, saved: dict, seconds: float)
                 "restarts": max(0, len(attempts) - 1),
                 "ooms": len((record or {}).get("ooms", [])),
                 "resumed_from": [a["resumed_from"] for a in attempts],
+                "exploits": (record or {}).get("exploits", []),
                 "error": str(result.error).splitlines()[0][:200] if result.error else None,
                 "final_metrics": {
                     k: v

@@ -1,9 +1,12 @@
 """A sweep trial's driver: the function trainable Tune runs for each trial. It fits the job with the trial's
 parameters under `<sweep>-<trial id>`, retries it with a bigger GPU share after an out-of-memory error
-(elastic.sweep.packing.bigger_share), and resumes from the run's checkpoints whenever it starts again."""
+(elastic.sweep.packing.bigger_share), and resumes from the run's checkpoints whenever it starts again. Its
+reports reach Tune with a pointer to each committed checkpoint (elastic.sweep.tune_reports); when PBT restarts
+it with another trial's, it adopts that checkpoint first (elastic.sweep.exploit)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -14,7 +17,7 @@ from elastic.driver.fitting import fit_run
 from elastic.driver.run_ledger import end_run_ledger, start_run_ledger
 from elastic.errors import TrialOutOfMemory
 from elastic.storage import fsspec_filesystem, parse_uri
-from elastic.sweep import packing
+from elastic.sweep import exploit, packing, tune_reports
 from elastic.sweep.layout import TRIAL_FILE, read_json, write_json
 from elastic.worker.sharing import OOM_FILE, TrialSharing, read_marker
 
@@ -59,6 +62,8 @@ def _run_trial(config: dict, setup: dict, trial_id: str, run_name: str, run_uri:
     share = record["attempts"][-1]["share"] if record["attempts"] else plan["share"]
     store = CheckpointStore(run_uri)
     fs, _ = fsspec_filesystem(run_uri)
+    adopted = _adopt_what_pbt_cloned(record, run_name, store, config)
+    queue = tune_reports.open_queue()
     while True:
         latest = store.latest_committed()
         record["attempts"].append(
@@ -67,18 +72,21 @@ def _run_trial(config: dict, setup: dict, trial_id: str, run_name: str, run_uri:
         write_json(record_uri, record)
         fraction = packing.memory_cap(plan["memory_fraction"] * share / plan["share"])
         sharing = TrialSharing(
-            share=share, memory_fraction=fraction, strategy=packing.rank_placement(job.workers.max_workers, share)
+            share=share,
+            memory_fraction=fraction,
+            strategy=packing.rank_placement(job.workers.max_workers, share),
+            adopted_step=adopted,
+            tune_callback=tune_reports.CommitsToTune(queue),
         )
+        # workers.gpus = the share: spot-first's capacity checks count GPU shares too
+        shared_job = job.model_copy(update={"workers": job.workers.model_copy(update={"gpus": share})})
         failure: BaseException | None = None
         try:
-            # workers.gpus = the share: spot-first's capacity checks count GPU shares too
-            fit_run(
-                job.model_copy(update={"workers": job.workers.model_copy(update={"gpus": share})}),
+            tune_reports.fit_reporting_to_tune(
+                functools.partial(fit_run, shared_job, run_name, run_uri, [], sharing, ledger=ledger),
+                queue,
                 run_name,
                 run_uri,
-                [],
-                sharing,
-                ledger=ledger,
             )
         except Exception as err:  # the run's failure; an OOM marker decides whether it is retried
             failure = err
@@ -108,3 +116,22 @@ def _run_trial(config: dict, setup: dict, trial_id: str, run_name: str, run_uri:
 
 # ---------------------------------------------------------------------------------------------------------
 # Tune
+
+
+def _adopt_what_pbt_cloned(record: dict, run_name: str, store: CheckpointStore, params: dict) -> int | None:
+    """When PBT restarted this trial with another trial's checkpoint (its exploit), adopt that checkpoint
+    into this run (elastic.sweep.exploit) and record the lineage. Returns the adopted step, or None."""
+    from ray import tune
+
+    found = tune_reports.read_pointer(tune.get_checkpoint())
+    if found is None or found["run"] == run_name:
+        return None  # a first start, or a restart of this trial from its own checkpoint
+    if exploit.already_adopted(record, found["run"], found["step"]):
+        return record["exploits"][-1]["step"]
+    donor = CheckpointStore(found["run_uri"])
+    step = exploit.adopt(donor, found["step"], store)
+    entry = exploit.record_exploit(record, found["run"], found["step"], step, donor.uri(step), params)
+    write_json(parse_uri(store.run_uri).child(TRIAL_FILE).uri, record)
+    log.info("exploit: %s adopted %s's checkpoint of step %d; mutated %s", run_name, found["run"], step,
+             entry["mutated"])  # fmt: skip
+    return step

@@ -34,6 +34,7 @@ from elastic.config.spec import JobSpec
 from elastic.data import ResumableLoader, ResumableSampler
 from elastic.observability.gpu import gpu_sampler
 from elastic.observability.metrics import run_metrics
+from elastic.worker.adoption import Adoption
 from elastic.worker.audit import NoLedger, SampleLedger, audit_enabled
 from elastic.worker.cadence import CheckpointCadence
 from elastic.worker.chaos import Chaos
@@ -166,6 +167,9 @@ class Session:
         self._guard = NonFiniteGuard(spec.train.max_nonfinite_steps)
         self._optimizer_step: OptimizerStep | None = None
         self.restored_step: int | None = None
+        # A PBT trial that adopted another trial's checkpoint of this step (elastic.worker.adoption): restoring
+        # it keeps this trial's own hyperparameters. Set by the sweep's worker setup before the job runs.
+        self.adopted_step: int | None = None
         self.log(
             f"worker rank {self.rank}/{self.world_size} on node {self.node_id} market={self.market} "
             f"device={self.device}",
@@ -296,8 +300,13 @@ class Session:
             self._telemetry.resumed(0)
             return 0
         loading_since = time.time()
+        adoption = Adoption(self._state) if self.adopted_step is not None else None
         step, state = self.checkpointer.load_newest(committed, self._state.template)
         self._state.load_state_dict(state)
+        if adoption is not None and step == self.adopted_step:
+            self.log(
+                f"adopted checkpoint of step {step}: this trial's hyperparameters kept ({adoption.apply(self._state)})"
+            )
         if self.is_chief and step != max(committed):
             retire_unreadable(self.store, step, committed, self.log)
         info = self.store.info(step)

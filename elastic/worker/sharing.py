@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import ray
@@ -51,7 +51,13 @@ class TrialSharing:
     memory_fraction: float
     strategy: str = "PACK"
     probe_steps: int | None = None
-    report_to_tune: bool = True
+    adopted_step: int | None = None  # PBT: the run resumes from a checkpoint adopted from another trial
+    # The Train callback that carries reports to Tune (elastic.sweep.tune_reports), None outside Tune; the
+    # driver keeps it, the workers never see it (worker_payload).
+    tune_callback: Any = field(default=None, compare=False, repr=False)
+
+    def worker_payload(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tune_callback"}
 
 
 def trial_worker_main(payload: dict) -> None:
@@ -66,6 +72,7 @@ class TrialSetup:
         self.share = float(sharing["share"])
         self.memory_fraction = sharing["memory_fraction"]
         self.probe_steps = sharing.get("probe_steps")
+        self.adopted_step = sharing.get("adopted_step")
 
     def before_session(self, spec: JobSpec) -> None:
         os.environ.update(spec.runtime_env.env_vars)  # per-trial variables (the sweep's space may set them)
@@ -73,6 +80,7 @@ class TrialSetup:
 
     def run(self, session: Session, train: Callable[[Session], Any]) -> None:
         session.report_every_commit = True  # each report is a Tune iteration: schedulers count them
+        session.adopted_step = self.adopted_step
         fs, root = session.store.fs, session.store.root
         _check_distinct_gpus(session, fs, root)
         _cap_memory(session, self.memory_fraction)

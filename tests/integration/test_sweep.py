@@ -315,3 +315,72 @@ def progress(fs, train: str) -> tuple[set, dict]:
         if steps:
             interrupted[run] = max(steps)
     return finished, interrupted
+
+
+def test_pbt_exploit_adopts_the_donors_checkpoint_and_keeps_the_mutated_lr(stack):
+    """jobs/digits_pbt.yaml with two trials (the worse half clones the better at every other report): the
+    recipient's run holds the donor's checkpoint, byte for byte and tensor for tensor, committed under a marker
+    that names it; the recipient resumed from it; it trained on at its own mutated lr (the optimizer's lr after
+    the restore is the trial's, not the donor's); the lineage names both trials."""
+    import torch
+
+    from elastic.checkpoint.store import CheckpointStore
+
+    name = f"pbt-{uuid.uuid4().hex[:6]}"
+    sets = [
+        f"name={name}",
+        "num_samples=2",
+        "scheduler.quantile_fraction=0.5",
+        "overrides.entrypoint=tests/integration/jobs/sweep_slow.py:train",  # paced: both trials train at once
+        "overrides.config.step_delay=0.2",
+        "overrides.config.epochs=2",
+        "overrides.checkpoint.keep=20",  # every checkpoint stays, to be compared
+    ]
+    args = [arg for value in sets for arg in ("--set", value)]
+    proc = stack["cli"].run("sweep", str(ROOT / "jobs" / "digits_pbt.yaml"), *args, "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert len(result["trials"]) == 2 and result["errors"] == 0, result["trials"]
+    runs = {f"{name}-{t['trial_id']}": t for t in result["trials"]}
+    exploits = [(run, e) for run, t in runs.items() for e in t["exploits"]]
+    assert exploits, result["trials"]
+    train = f"s3://elastic/runs/{name}/train"
+    env = dict(os.environ)
+    os.environ.update(stack["env"])
+    try:
+        for run, exploit in exploits:
+            donor_run = exploit["from"]
+            assert donor_run in runs and donor_run != run, exploit
+            assert exploit["mutated"].keys() == {"lr"}, exploit
+            step = exploit["step"]
+            recipient, donor = CheckpointStore(f"{train}/{run}"), CheckpointStore(f"{train}/{donor_run}")
+            assert exploit["checkpoint"] == donor.uri(step)
+            assert recipient.manifest(step)["adopted_from"] == donor.uri(step)
+            assert step in runs[run]["resumed_from"], runs[run]
+            mine, theirs = recipient.read_tensors(step), donor.read_tensors(step)
+            assert mine.keys() == theirs.keys() and any(k.startswith("optim.state") for k in mine)
+            assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+            # the copy holds the donor's lr; the recipient trains on at its own, perturbed one
+            assert optimizer_lrs(recipient, step) != {exploit["mutated"]["lr"]}, exploit
+            after = [s for s in recipient.restorable_steps() if s > step]
+            if after and exploit is runs[run]["exploits"][-1]:
+                assert optimizer_lrs(recipient, after[0]) == {exploit["mutated"]["lr"]}, exploit
+                assert runs[run]["params"]["lr"] == exploit["mutated"]["lr"], runs[run]
+        assert any(
+            [s for s in CheckpointStore(f"{train}/{run}").restorable_steps() if s > e["step"]] for run, e in exploits
+        ), "no recipient trained past its adopted checkpoint"
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def optimizer_lrs(store, step: int) -> set[float]:
+    """The lr of every param group in a checkpoint's optimizer state (DCP keeps them as non-tensor entries)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    reader = FsspecReader(store.uri(step), **store.writer_options())
+    keys = [k for k in reader.read_metadata().state_dict_metadata if ".param_groups." in k and k.endswith(".lr")]
+    state = dict.fromkeys(keys, 0.0)
+    dcp.load(state, storage_reader=FsspecReader(store.uri(step), **store.writer_options()), no_dist=True)
+    return set(state.values())
