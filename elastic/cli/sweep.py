@@ -69,9 +69,11 @@ def sweep_cmd(
 
 def _show_sweep(result: dict) -> None:
     keys = sorted({k for t in result["trials"] for k in (t["params"] or {})})
-    table = Table("trial", *keys, result["metric"], "state", "iters", "share", "restarts")
+    cloned = any(t.get("exploits") for t in result["trials"])  # PBT: each trial's lineage
+    table = Table("trial", *keys, result["metric"], "state", "iters", "share", "restarts", *(["cloned"] * cloned))
     for t in result["trials"]:
         metric = t["metric"]
+        lineage = [f"{e['from'].rsplit('-', 1)[-1]}@{e['step']}" for e in t.get("exploits", [])]
         table.add_row(
             t["trial_id"],
             *[_fmt(t["params"].get(k)) for k in keys],
@@ -80,6 +82,7 @@ def _show_sweep(result: dict) -> None:
             str(t["iterations"]),
             str(t["gpu_share"]),
             str(t["restarts"]),
+            *([", ".join(lineage) or "-"] * cloned),
         )
     Console(highlight=False, width=max(console.width, 140)).print(table)  # not folded in a pipe's 80 columns
     plan = result["plan"]
