@@ -270,9 +270,8 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
                 storage_path=root_path,
                 storage_filesystem=root_fs,
                 failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
-                # A trial's Tune checkpoints are pointers to its committed ones (elastic.sweep.tune_reports);
-                # PBT clones the newest, so two are plenty.
-                checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
+                # A trial's Tune checkpoints are pointers to its committed ones (elastic.sweep.tune_reports),
+                # a few hundred bytes each: all are kept, since PBT may clone one a few reports old.
                 callbacks=[Progress(), SchedulerState(trial_scheduler)],
                 verbose=0,
             ),
