@@ -130,7 +130,8 @@ def _adopt_what_pbt_cloned(record: dict, run_name: str, store: CheckpointStore, 
         return record["exploits"][-1]["step"]
     donor = CheckpointStore(found["run_uri"])
     step = exploit.adopt(donor, found["step"], store)
-    entry = exploit.record_exploit(record, found["run"], found["step"], step, donor.uri(step), params)
+    donor_params = (read_json(parse_uri(donor.run_uri).child(TRIAL_FILE).uri) or {}).get("params") or {}
+    entry = exploit.record_exploit(record, found["run"], found["step"], step, donor.uri(step), params, donor_params)
     write_json(parse_uri(store.run_uri).child(TRIAL_FILE).uri, record)
     log.info("exploit: %s adopted %s's checkpoint of step %d; mutated %s", run_name, found["run"], step,
              entry["mutated"])  # fmt: skip
