@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import shutil
 import signal
@@ -20,6 +21,7 @@ from elastic.local import processes
 from elastic.rehearsal.plan import NodeCommand, NodeType, as_ray_runs_it
 
 NODE_VARIABLE = "ELASTIC_REHEARSAL_NODE"  # every process a node's commands start carries its role
+SHIM_DIR = ".rehearsal-bin"  # in each node's HOME: the stand-ins for sudo, apt, systemd
 COMMAND_TIMEOUT_SECONDS = 900.0  # a setup command installs torch and Ray into a fresh venv
 
 
@@ -174,3 +176,32 @@ def alive_nodes(dashboard_url: str, token: str) -> list[dict]:
         token,
     )
     return body.get("data", {}).get("result", {}).get("result", [])
+
+
+def pip_settings() -> dict[str, str]:
+    """This machine's pip settings (its index, wheel folders, cache), which a fresh HOME would lose: the install
+    is the config's, where the packages come from is the machine's."""
+    settings = {k: v for k, v in os.environ.items() if k.startswith("PIP_")}
+    settings.setdefault("PIP_CACHE_DIR", str(Path.home() / ".cache" / "pip"))
+    for config in (Path.home() / ".config" / "pip" / "pip.conf", Path.home() / ".pip" / "pip.conf"):
+        if "PIP_CONFIG_FILE" not in settings and config.is_file():
+            settings["PIP_CONFIG_FILE"] = str(config)
+    return settings
+
+
+def fresh_home(home: Path) -> None:
+    """A new user's HOME as useradd and cloud-init make it (/etc/skel: .profile, .bashrc), whose .bashrc first
+    puts the shims on PATH where a node has /usr/bin's sudo and systemd-run. First: Ray's commands run in a
+    login shell (/etc/profile resets PATH) and source ~/.bashrc again, and a venv's activate there restores the
+    PATH it saw the first time; a PATH entry added after it would be lost."""
+    skel = Path("/etc/skel")
+    if skel.is_dir():
+        shutil.copytree(skel, home, dirs_exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True)
+    bashrc = home / ".bashrc"
+    rest = bashrc.read_text() if bashrc.exists() else ""
+    first = f'case ":$PATH:" in *":$HOME/{SHIM_DIR}:"*) ;; *) PATH="$HOME/{SHIM_DIR}:$PATH" ;; esac  # rehearsal\n'
+    bashrc.write_text(first + rest)
+    profile = home / ".profile"
+    if not profile.exists():
+        profile.write_text('[ -f "$HOME/.bashrc" ] && . "$HOME/.bashrc"\n')

@@ -60,7 +60,6 @@ log = logging.getLogger("elastic.rehearsal")
 
 BUCKET = "elastic"
 JOB = "jobs/digits_ddp.yaml"
-SHIM_DIR = ".rehearsal-bin"  # in each node's HOME
 VENV = "elastic-venv"  # in each node's HOME: where the configs' setup commands install elastic
 # The node dies this long after the notice. AWS's notice says when (a 2-minute notice is shortened here to keep
 # the rehearsal short); GCP's `preempted` flag does not, and its ~30 s is what every watcher plans for.
@@ -232,8 +231,8 @@ class _Rehearsal:
         for node_type in types:
             role = node_type.role
             home = self.work / "nodes" / role
-            bin_dir = shims.install(home / SHIM_DIR)
-            _fresh_home(home)
+            bin_dir = shims.install(home / node_ops.SHIM_DIR)
+            node_ops.fresh_home(home)
             # Ray's unix sockets live under the temp dir: keep its path short.
             temp_dir = Path(tempfile.mkdtemp(prefix=f"el-rh-{role[:4]}-", dir="/tmp"))
             node_ports = {flag: free_port() for flag in listener_flags(role)}
@@ -248,7 +247,7 @@ class _Rehearsal:
                 "AWS_REGION": "us-east-1",
                 "AWS_DEFAULT_REGION": "us-east-1",
                 "ELASTIC_LOGICAL_GPUS": "1",
-                **_pip_settings(),
+                **node_ops.pip_settings(),
                 # Each node's units are its own: one node's `systemctl stop elastic-watcher` is not another's.
                 shims.STATE_VARIABLE: str(self.state_dir / role),
                 processes.MARKER_VARIABLE: self.marker,
@@ -434,35 +433,6 @@ class _Rehearsal:
     def remove_temp_dirs(self) -> None:
         for node in self.nodes.values():
             shutil.rmtree(node.temp_dir, ignore_errors=True)
-
-
-def _pip_settings() -> dict[str, str]:
-    """This machine's pip settings (its index, wheel folders, cache), which a fresh HOME would lose: the install
-    is the config's, where the packages come from is the machine's."""
-    settings = {k: v for k, v in os.environ.items() if k.startswith("PIP_")}
-    settings.setdefault("PIP_CACHE_DIR", str(Path.home() / ".cache" / "pip"))
-    for config in (Path.home() / ".config" / "pip" / "pip.conf", Path.home() / ".pip" / "pip.conf"):
-        if "PIP_CONFIG_FILE" not in settings and config.is_file():
-            settings["PIP_CONFIG_FILE"] = str(config)
-    return settings
-
-
-def _fresh_home(home: Path) -> None:
-    """A new user's HOME as useradd and cloud-init make it (/etc/skel: .profile, .bashrc), whose .bashrc first
-    puts the shims on PATH where a node has /usr/bin's sudo and systemd-run. First: Ray's commands run in a
-    login shell (/etc/profile resets PATH) and source ~/.bashrc again, and a venv's activate there restores the
-    PATH it saw the first time; a PATH entry added after it would be lost."""
-    skel = Path("/etc/skel")
-    if skel.is_dir():
-        shutil.copytree(skel, home, dirs_exist_ok=True)
-    home.mkdir(parents=True, exist_ok=True)
-    bashrc = home / ".bashrc"
-    rest = bashrc.read_text() if bashrc.exists() else ""
-    first = f'case ":$PATH:" in *":$HOME/{SHIM_DIR}:"*) ;; *) PATH="$HOME/{SHIM_DIR}:$PATH" ;; esac  # rehearsal\n'
-    bashrc.write_text(first + rest)
-    profile = home / ".profile"
-    if not profile.exists():
-        profile.write_text('[ -f "$HOME/.bashrc" ] && . "$HOME/.bashrc"\n')
 
 
 def _wait_for(check, timeout: float, poll: float = 0.5):
