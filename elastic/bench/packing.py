@@ -25,8 +25,8 @@ from typing import Any
 from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import SweepSpec
 from elastic.errors import ClusterError
+from elastic.placement import packing
 from elastic.storage import fsspec_filesystem, parse_uri
-from elastic.sweep import packing
 from elastic.sweep.layout import TRIAL_FILE, read_json
 from elastic.sweep.runner import market_gpus, run_sweep
 from elastic.worker.sharing import GPUS_FILE
@@ -186,7 +186,7 @@ def summarize_concurrency(
             driver_delay.append(first - started)
             if "arrived" in metrics:
                 startup.append(metrics["arrived"] - first)
-    reached = max_overlap(intervals)
+    reached = packing.max_overlap(intervals)
     mean = lambda xs: round(sum(xs) / len(xs), 2) if xs else None
     return {
         "share": share,
@@ -205,16 +205,6 @@ def summarize_concurrency(
         },
         "errors": result["errors"],
     }
-
-
-def max_overlap(intervals: list[tuple[float, float]]) -> int:
-    """Most intervals open at one instant (an interval's end closes before another's start at the same time)."""
-    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals], key=lambda e: (e[0], e[1]))
-    best = current = 0
-    for _, delta in events:
-        current += delta
-        best = max(best, current)
-    return best
 
 
 # ---------------------------------------------------------------------------------------------------------

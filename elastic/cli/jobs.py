@@ -84,12 +84,17 @@ def run_cmd(job_file: Path | None, run_name: str | None, overrides: tuple[str, .
 @click.command("status")
 @click.argument("run", required=False)
 @click.option("--address")
+@click.option("--gpus", "gpus_only", is_flag=True, help="Only the GPUs runs share now: node, GPU, runs and shares.")
 @click.option("--json", "as_json", is_flag=True)
-def status_cmd(run: str | None, address: str | None, as_json: bool) -> None:
-    """List elastic runs on the cluster (newest job per run first)."""
-    from elastic.driver import submit
+def status_cmd(run: str | None, address: str | None, gpus_only: bool, as_json: bool) -> None:
+    """List elastic runs on the cluster (newest job per run first), and which runs share which GPU."""
+    from elastic.driver import gpu_sharing, submit
 
     target = submit.resolve_target(address)
+    if gpus_only:
+        shared = gpu_sharing.current(target)
+        print_json(shared) if as_json else _show_shared(shared)
+        return
     rows = submit.list_runs(target)
     if run:
         rows = [r for r in rows if run in (r["run"], r["job_id"])]
@@ -105,6 +110,20 @@ def status_cmd(run: str | None, address: str | None, as_json: bool) -> None:
     for row in rows:
         table.add_row(row["run"], row["job_id"], row["status"], (row["message"] or "")[:160])
     console.print(table)
+    shared = gpu_sharing.current(target)
+    if shared:  # runs training on GPU shares now (sweep trials and packed jobs too, which have no job of their own)
+        _show_shared(shared)
+
+
+def _show_shared(shared: list[dict]) -> None:
+    if not shared:
+        console.print("no run trains on a GPU share now")
+        return
+    gpus = Table("node", "GPU", "used", "runs (share)", title="shared GPUs")
+    for gpu in shared:
+        runs = ", ".join(f"{r['run']} ({r['share']:g})" for r in gpu["runs"])
+        gpus.add_row(gpu["node"][:12], gpu["gpu"], f"{gpu['used']:g}", runs)
+    console.print(gpus)
 
 
 @click.command("logs")

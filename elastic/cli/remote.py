@@ -85,7 +85,7 @@ def command_line(context: click.Context) -> list[str]:
             continue
         value = context.params.get(param.name)
         if isinstance(param, click.Argument):
-            words.append(_portable(value))
+            words += [_portable(v) for v in value] if isinstance(value, tuple) else [_portable(value)]  # nargs=-1
             continue
         if param.is_flag and not param.secondary_opts:
             if value:

@@ -23,12 +23,16 @@ from elastic.driver.placements import PlacementExecutor
 from elastic.driver.ray_config import build_trainer
 from elastic.driver.run_ledger import end_run_ledger, start_run_ledger
 from elastic.driver.runs import RunSummary, checkpoint_uri, write_summary
-from elastic.errors import ClusterError, JobFailed
+from elastic.errors import ClusterError, JobFailed, TrialOutOfMemory
 from elastic.ledger import LedgerWriter, NoLedger
 from elastic.ledger.events import PlacementEnded, PlacementStarted
-from elastic.worker.sharing import TrialSharing
+from elastic.placement import packing
+from elastic.storage import fsspec_filesystem
+from elastic.worker.sharing import OOM_FILE, TrialSharing, read_marker
 
 logger = logging.getLogger(__name__)
+
+MAX_OOM_RETRIES = 2  # a shared run's retries after running out of GPU memory: 1/4 -> 1/2 -> 1
 
 
 def run_job(spec: JobSpec, run_name: str) -> RunSummary:
@@ -62,7 +66,10 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
     checkpoint: str | None = None
     placements: list[dict] = []
     try:
-        result = fit_run(spec, run_name, run_uri, placements, ledger=ledger)
+        if 0 < workers.gpus < 1:
+            result = fit_shared_run(spec, run_name, run_uri, placements, ledger)
+        else:
+            result = fit_run(spec, run_name, run_uri, placements, ledger=ledger)
         metrics = dict(result.metrics or {})
         checkpoint = checkpoint_uri(spec, result.checkpoint)
     except Exception as err:  # the run's own failure: reported in the summary and the job status
@@ -119,3 +126,33 @@ def fit_run(
             ledger.record(PlacementEnded(time.time(), placement="", ended_by=ended_by))
             ledger.flush()
     return PlacementExecutor(spec, run_name, run_uri, placements, sharing, ledger=ledger).run()
+
+
+def fit_shared_run(spec: JobSpec, run_name: str, run_uri: str, placements: list[dict], ledger: LedgerWriter | NoLedger):
+    """A run whose workers ask for a fraction of a GPU (0 < workers.gpus < 1), as a sweep's trials do: each worker
+    caps its memory at its share, so it runs out of memory itself instead of pushing a neighbour out; after an
+    out-of-memory error the run goes on from its last checkpoint at a doubled share (up to a whole GPU)."""
+    share = spec.workers.gpus
+    fs, root = fsspec_filesystem(run_uri)
+    for retry in range(MAX_OOM_RETRIES + 1):
+        sharing = TrialSharing(
+            share=share,
+            memory_fraction=packing.memory_cap(share),
+            strategy=packing.rank_placement(spec.workers.max_workers, share),
+        )
+        job = spec.model_copy(update={"workers": spec.workers.model_copy(update={"gpus": share})})
+        failure: Exception | None = None
+        try:
+            result = PlacementExecutor(job, run_name, run_uri, placements, sharing, ledger=ledger).run()
+        except Exception as err:  # the run's failure; an OOM marker says whether a bigger share may fix it
+            failure = err
+        oom = read_marker(fs, f"{root}/{OOM_FILE}", clear=True)
+        if oom is None:
+            if failure is not None:
+                raise failure
+            return result
+        if share >= 1 or retry == MAX_OOM_RETRIES:
+            break
+        share = packing.bigger_share(share)
+        logger.warning("run %s: out of memory at step %s; going on at GPU share %s", run_name, oom.get("step"), share)
+    raise TrialOutOfMemory(f"run {run_name} ran out of GPU memory at share {share}: {oom.get('error')}")

@@ -12,7 +12,9 @@ import os
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from elastic.checkpoint.store import run_directory
 from elastic.config.spec import FailureSpec, JobSpec, WorkersSpec
+from elastic.driver.gpu_sharing import RUN_URI_VARIABLE, RUN_VARIABLE
 from elastic.placement.control import Placement
 from elastic.placement.labels import worker_selector
 from elastic.placement.policy import worker_resources
@@ -82,8 +84,11 @@ def build_trainer(
         placement.workers if placement else None,
         placement.avoid_nodes if placement else (),
     )
+    worker_env = None
     if sharing is not None:
         scaling = dataclasses.replace(scaling, placement_strategy=sharing.strategy)
+        # Named in the workers' runtime env, so `elastic status` can tell whose worker holds which GPU share.
+        worker_env = {"env_vars": {RUN_VARIABLE: run_name, RUN_URI_VARIABLE: run_directory(spec, run_name)}}
     return TorchTrainer(
         function,
         train_loop_config=payload,
@@ -95,6 +100,7 @@ def build_trainer(
             storage_filesystem=filesystem,
             failure_config=failure_config(spec.failure),
             callbacks=callbacks,
+            worker_runtime_env=worker_env,
             # Retention is ours (elastic.checkpoint): after a newer commit, marker first, folder kept as a
             # tombstone so Ray's run snapshot stays valid. Ray's own pruning ran too late to rely on at run end.
             checkpoint_config=CheckpointConfig(num_to_keep=None),

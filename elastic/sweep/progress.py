@@ -13,23 +13,34 @@ log = logging.getLogger(__name__)
 
 
 class Progress(Callback):
-    """Live progress: one line per trial event on stderr (Tune's own table is turned off)."""
+    """Live progress: one line per trial event on stderr (Tune's own table is turned off). A pack (label "pack")
+    names each trial by its job."""
+
+    def __init__(self, label: str = "sweep"):
+        self.label = label
+
+    def _name(self, trial) -> str:
+        return trial.config.get("job", trial.trial_id) if self.label == "pack" else f"trial {trial.trial_id}"
 
     def on_trial_start(self, iteration, trials, trial, **info):
-        _line(f"trial {trial.trial_id} started {_short(trial.config)} ({_count(trials, 'RUNNING')} running)")
+        what = "" if self.label == "pack" else f" {_short(trial.config)}"
+        self._line(f"{self._name(trial)} started{what} ({_count(trials, 'RUNNING')} running)")
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         shown = {k: result[k] for k in ("training_iteration", "step", "loss", "accuracy") if k in result}
-        _line(f"trial {trial.trial_id} {_short(shown)}")
+        self._line(f"{self._name(trial)} {_short(shown)}")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        _line(
-            f"trial {trial.trial_id} finished ({_count(trials, 'TERMINATED')} done, "
-            f"{_count(trials, 'RUNNING')} running)"
+        self._line(
+            f"{self._name(trial)} finished ({_count(trials, 'TERMINATED')} done, {_count(trials, 'RUNNING')} running)"
         )
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        _line(f"trial {trial.trial_id} FAILED: {str(getattr(trial, 'error_msg', '') or '')[:160]}")
+        self._line(f"{self._name(trial)} FAILED: {str(getattr(trial, 'error_msg', '') or '')[:160]}")
+
+    def _line(self, text: str) -> None:
+        sys.stderr.write(f"[{self.label} {time.strftime('%H:%M:%S')}] {text}\n")
+        sys.stderr.flush()
 
 
 class SchedulerState(Callback):
@@ -53,11 +64,6 @@ class SchedulerState(Callback):
     def set_state(self, state: dict) -> None:
         if state.get("asha") is not None:
             self.scheduler.__dict__.update(pickle.loads(state["asha"]))
-
-
-def _line(text: str) -> None:
-    sys.stderr.write(f"[sweep {time.strftime('%H:%M:%S')}] {text}\n")
-    sys.stderr.flush()
 
 
 def _short(values: dict) -> str:

@@ -9,30 +9,27 @@ The experiment lives in storage (elastic.sweep.layout): running the same sweep a
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import time
 from collections.abc import Callable
 
-from elastic.checkpoint.store import run_directory
 from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import SweepSpec, _example_value, trial_job
 from elastic.driver.auth import auth_failure
-from elastic.driver.fitting import fit_run
 from elastic.driver.submit import DEFAULT_EXCLUDES
 from elastic.errors import ClusterError, UserError
 from elastic.local import stack as local
 from elastic.observability.tracking import MlflowRuns, sweep_parent_run
+from elastic.placement import packing
 from elastic.placement.labels import MARKET_LABEL, matches, worker_selector
 from elastic.storage import parse_uri, pyarrow_filesystem
-from elastic.sweep import packing
 from elastic.sweep.layout import PLAN_FILE, TRIAL_FILE, experiment_uri, read_json, train_root, write_json
 from elastic.sweep.ledger import end_sweep_ledger, start_sweep_ledger
+from elastic.sweep.probe import measured_probe, probe_run
 from elastic.sweep.progress import Progress, SchedulerState
 from elastic.sweep.trial import trial_main
-from elastic.worker.sharing import PROBE_FILE, TrialSharing
 
 log = logging.getLogger(__name__)
 
@@ -106,32 +103,12 @@ def run_probe(sweep: SweepSpec, job: JobSpec, say: Callable[[str], None]) -> pac
     if cfg.probe:
         params = {key: _example_value(p) for key, p in sweep.space.items()}
         probe_job = trial_job(job, params).model_copy(
-            update={
-                "checkpoint": job.checkpoint.model_copy(
-                    update={"uri": train_root(sweep, job), "every_steps": 10**9, "every_seconds": None}
-                )
-            }
+            update={"checkpoint": job.checkpoint.model_copy(update={"uri": train_root(sweep, job)})}
         )
-        run_name = f"{sweep.name}-probe"
-        say(f"probe: {cfg.probe_steps} steps of {run_name} on a whole GPU")
-        started = time.monotonic()
-        fit_run(
-            probe_job,
-            run_name,
-            "",
-            [],
-            TrialSharing(
-                share=1.0,
-                memory_fraction=1.0,
-                strategy=packing.rank_placement(job.workers.min, 1.0),
-                probe_steps=cfg.probe_steps,
-            ),
-        )
-        run_uri = run_directory(probe_job, run_name)
-        measured = read_json(parse_uri(run_uri).child(PROBE_FILE).uri) or {}
-        say(f"probe: done in {time.monotonic() - started:.0f} s: {json.dumps(measured)}")
-    if measured.get("cuda"):
-        return packing.Probe(measured["peak_bytes"], measured["device_bytes"], measured["step_seconds"], "measured")
+        measured = probe_run(probe_job, f"{sweep.name}-probe", cfg.probe_steps, say)
+    found = measured_probe(measured)
+    if found is not None:
+        return found
     if cfg.gpu_memory_gb is None:
         raise UserError("gpu_share auto without a probe measure needs packing.gpu_memory_gb; set it")
     return packing.Probe(
@@ -181,7 +158,7 @@ def scheduler(sweep: SweepSpec):
     return FIFOScheduler()
 
 
-def driver_resources(sweep: SweepSpec):
+def driver_resources(cpus: float):
     """A small CPU fraction per trial driver, on on-demand nodes when the cluster labels them (a driver on a
     reclaimed spot node would take its trial down with it)."""
     import ray
@@ -192,10 +169,10 @@ def driver_resources(sweep: SweepSpec):
         for n in ray.nodes()
         if n.get("Alive")
         and (n.get("Labels") or {}).get(MARKET_LABEL) == "on-demand"
-        and n.get("Resources", {}).get("CPU", 0) >= sweep.driver_cpus
+        and n.get("Resources", {}).get("CPU", 0) >= cpus
     ]
     selector = [{MARKET_LABEL: "on-demand"}] if on_demand else None
-    return tune.PlacementGroupFactory([{"CPU": sweep.driver_cpus}], bundle_label_selector=selector)
+    return tune.PlacementGroupFactory([{"CPU": cpus}], bundle_label_selector=selector)
 
 
 def market_gpus(market: str) -> float:
@@ -237,7 +214,7 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
         "plan": saved["plan"],
         "max_oom_retries": sweep.packing.max_oom_retries,
     }
-    trainable = tune.with_resources(tune.with_parameters(trial_main, setup=setup), driver_resources(sweep))
+    trainable = tune.with_resources(tune.with_parameters(trial_main, setup=setup), driver_resources(sweep.driver_cpus))
     concurrent = sweep.max_concurrent or packing.concurrency_cap(
         saved["plan"]["trials_per_gpu"], market_gpus(job.workers.market), job.workers.max_workers
     )
@@ -362,8 +339,9 @@ def disconnect() -> None:
     ray.shutdown()
 
 
-def connect(job: JobSpec | None = None) -> None:
-    """Attach this process to the cluster as the sweep's driver; the working dir travels to every trial."""
+def connect(job: JobSpec | None = None, excludes: list[str] | tuple[str, ...] = ()) -> None:
+    """Attach this process to the cluster as the sweep's driver; the working dir travels to every trial
+    (`excludes` and the job's excludes left out)."""
     address = os.environ.get("RAY_ADDRESS")
     state = local.running_state()
     if not address and state is not None:
@@ -383,7 +361,7 @@ def connect(job: JobSpec | None = None) -> None:
             log_to_driver=False,
             runtime_env={
                 "working_dir": os.getcwd(),
-                "excludes": DEFAULT_EXCLUDES + (list(job.runtime_env.excludes) if job else []),
+                "excludes": DEFAULT_EXCLUDES + (list(job.runtime_env.excludes) if job else []) + list(excludes),
                 "env_vars": dict(job.runtime_env.env_vars) if job else {},
             },
         )

@@ -1,6 +1,6 @@
 """A sweep trial's driver: the function trainable Tune runs for each trial. It fits the job with the trial's
 parameters under `<sweep>-<trial id>`, retries it with a bigger GPU share after an out-of-memory error
-(elastic.sweep.packing.bigger_share), and resumes from the run's checkpoints whenever it starts again. Its
+(elastic.placement.packing.bigger_share), and resumes from the run's checkpoints whenever it starts again. Its
 reports reach Tune with a pointer to each committed checkpoint (elastic.sweep.tune_reports); when PBT restarts
 it with another trial's, it adopts that checkpoint first (elastic.sweep.exploit)."""
 
@@ -16,8 +16,9 @@ from elastic.config.sweep_spec import trial_job
 from elastic.driver.fitting import fit_run
 from elastic.driver.run_ledger import end_run_ledger, start_run_ledger
 from elastic.errors import TrialOutOfMemory
+from elastic.placement import packing
 from elastic.storage import fsspec_filesystem, parse_uri
-from elastic.sweep import exploit, packing, tune_reports
+from elastic.sweep import exploit, tune_reports
 from elastic.sweep.layout import TRIAL_FILE, read_json, write_json
 from elastic.worker.sharing import OOM_FILE, TrialSharing, read_marker
 
@@ -31,13 +32,13 @@ def trial_main(config: dict, setup: dict) -> None:
     from ray import tune
 
     trial_id = tune.get_context().get_trial_id()
-    run_name = f"{setup['sweep']}-{trial_id}"
-    run_uri = run_directory(_trial_spec(config, setup), run_name)
+    job, run_name, plan = trial_target(config, setup, trial_id)
+    run_uri = run_directory(job, run_name)
     started = time.time()
-    ledger = start_run_ledger(run_uri, run_name, JobSpec.model_validate(setup["job"]), kind_of_run="trial")
+    ledger = start_run_ledger(run_uri, run_name, job, kind_of_run="trial")
     status, error = "FAILED", None
     try:
-        _run_trial(config, setup, trial_id, run_name, run_uri, ledger)
+        _run_trial(config, setup, trial_id, job, plan, run_name, run_uri, ledger)
         status = "SUCCEEDED"
     except BaseException as err:  # recorded in the trial's ledger, then raised to Tune as before
         error = f"{type(err).__name__}: {err}"
@@ -46,19 +47,30 @@ def trial_main(config: dict, setup: dict) -> None:
         end_run_ledger(ledger, run_uri, started, status, error)
 
 
+def trial_target(config: dict, setup: dict, trial_id: str) -> tuple[JobSpec, str, dict]:
+    """What this trial fits: (job, run name, packing plan). A sweep's trial is the sweep's job with the trial's
+    parameters, run as `<sweep>-<trial id>`; a pack's (elastic.sweep.pack) is one of the packed jobs, chosen by
+    `config["job"]`, run as `<pack>-<job>` with that job's own plan."""
+    packed = setup.get("packed")
+    if packed is not None:
+        entry = packed[config["job"]]
+        return JobSpec.model_validate(entry["job"]), f"{setup['sweep']}-{config['job']}", entry["plan"]
+    return _trial_spec(config, setup), f"{setup['sweep']}-{trial_id}", setup["plan"]
+
+
 def _trial_spec(config: dict, setup: dict) -> JobSpec:
     """The sweep's job with this trial's parameters, its runs under the sweep's train root."""
     job = trial_job(JobSpec.model_validate(setup["job"]), config)
     return job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"uri": setup["train_root"]})})
 
 
-def _run_trial(config: dict, setup: dict, trial_id: str, run_name: str, run_uri: str, ledger) -> None:
-    job = _trial_spec(config, setup)
+def _run_trial(
+    config: dict, setup: dict, trial_id: str, job: JobSpec, plan: dict, run_name: str, run_uri: str, ledger
+) -> None:
     record_uri = parse_uri(run_uri).child(TRIAL_FILE).uri
     record = read_json(record_uri) or {"run_name": run_name, "params": config, "attempts": [], "ooms": []}
     if record.get("finished"):
         return  # finished before the sweep's driver died, after Tune last saved its state: nothing to redo
-    plan = setup["plan"]
     share = record["attempts"][-1]["share"] if record["attempts"] else plan["share"]
     store = CheckpointStore(run_uri)
     fs, _ = fsspec_filesystem(run_uri)

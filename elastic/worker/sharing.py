@@ -1,4 +1,4 @@
-"""Carries out the packing plan on each training worker of a sweep trial (the policy is elastic.sweep.packing).
+"""Carries out the packing plan on each training worker of a sweep trial (the policy is elastic.placement.packing).
 
 Before the job's function runs, every rank:
 
@@ -82,6 +82,13 @@ class TrialSetup:
         session.report_every_commit = True  # each report is a Tune iteration: schedulers count them
         session.adopted_step = self.adopted_step
         fs, root = session.store.fs, session.store.root
+        oom = read_marker(fs, f"{root}/{OOM_FILE}")
+        if oom is not None and float(oom.get("share", 1)) <= self.share:
+            # Ray Train restarted the group after a rank's OOM: at this share it would run out of memory again.
+            # End the fit at once, so the trial's driver retries with a bigger share instead of Ray spending its
+            # failure budget on the same share.
+            session.log(f"out of memory at GPU share {oom.get('share')}: ending for a retry with a bigger share")
+            return
         _check_distinct_gpus(session, fs, root)
         _cap_memory(session, self.memory_fraction)
         steps = _StepWatch(session, self.share, self.probe_steps)

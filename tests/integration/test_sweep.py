@@ -5,7 +5,10 @@
    checkpoint; the trials train sharded (fsdp), and the 2-rank trial's ranks sit on different GPUs, before and
    after;
 3. ASHA stops bad trials early, and a sweep whose driver is killed resumes when run again: finished trials
-   are not redone, and an interrupted trial resumes from its checkpoint.
+   are not redone, and an interrupted trial resumes from its checkpoint;
+4. PBT's exploit copies the donor's checkpoint;
+5. `elastic pack`: three different jobs on the two spot GPUs at once, through an OOM and a reclaim (last: it
+   replaces a node).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def stack(tmp_path_factory, cli_factory):
             "--gpus-per-node",
             "1",
             "--cpus-per-node",
-            "2",
+            "3",  # a pack's three 2-rank jobs: a CPU each on both spot nodes
             "--json",
             check=True,
             timeout=300,
@@ -384,3 +387,73 @@ def optimizer_lrs(store, step: int) -> set[float]:
     state = dict.fromkeys(keys, 0.0)
     dcp.load(state, storage_reader=FsspecReader(store.uri(step), **store.writer_options()), no_dist=True)
     return set(state.values())
+
+
+def test_pack_trains_three_jobs_at_once_through_an_oom_and_a_reclaim(stack):
+    """`elastic pack` of three different jobs at GPU share 0.25 on the two spot nodes' GPUs: `status --gpus`
+    shows both GPUs shared by all three at once; digits-augment's (injected) OOM at 0.25 retries it alone at 0.5
+    while the other two train on; a noticed reclaim of a spot node: every job resumes from a checkpoint and
+    finishes. The JSON lists each job's share, GPUs (its two ranks on distinct ones), state and restarts, and
+    peak_concurrent = 3 from the jobs' own step times."""
+    name = f"pack-{uuid.uuid4().hex[:6]}"
+    jobs = ["digits-ddp", "charlm", "digits-augment"]
+    sets = [
+        "runtime_env.env_vars.ELASTIC_CHAOS_STEP_SECONDS=0.5",  # paced: sleeping, so the 2 cores hold three jobs
+        "digits-ddp:config.epochs=8",
+        "charlm:config.epochs=4",
+        "digits-augment:config.epochs=5",
+        "digits-augment:checkpoint.every_steps=5",
+        "digits-augment:runtime_env.env_vars.ELASTIC_INJECT_OOM=7:0.5",  # OOM after step 7 below a 0.5 share
+    ]
+    files = [str(ROOT / "jobs" / f"{job.replace('-', '_')}.yaml") for job in jobs]
+    args = [sys.executable, "-m", "elastic", "pack", *files, "--gpu-share", "0.25", "--name", name, "--json"]
+    args += [arg for value in sets for arg in ("--set", value)]
+    driver = subprocess.Popen(
+        args, cwd=ROOT, env=stack["cli"].env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    runs = {f"{name}-{job}": job for job in jobs}
+    want = {f"{name}-digits-ddp": 0.25, f"{name}-charlm": 0.25, f"{name}-digits-augment": 0.5}
+    seen = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and driver.poll() is None:
+            shared = json.loads(stack["cli"].run("status", "--gpus", "--json", check=True).stdout)
+            mine = [{r["run"]: r["share"] for r in gpu["runs"] if r["run"] in runs} for gpu in shared]
+            seen.append(mine)
+            if len(mine) == 2 and all(gpu == want for gpu in mine):
+                break  # both GPUs hold all three jobs, digits-augment at its retried share
+            time.sleep(2)
+        assert len(seen[-1]) == 2 and all(gpu == want for gpu in seen[-1]), seen[-3:]
+        stack["cli"].run("preempt", "--market", "spot", "--notice", "20", "--replace-after", "10", check=True)
+        out, err = driver.communicate(timeout=600)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, err[-4000:]
+    result = json.loads(out)
+    by_job = {row["job"]: row for row in result["jobs"]}
+    assert set(by_job) == set(jobs) and result["errors"] == 0, result
+    assert result["peak_concurrent"] == 3, result
+    for row in by_job.values():
+        assert row["state"] == "TERMINATED", row
+        assert len(row["gpus"]) == 2 and len({g.split(":")[0] for g in row["gpus"]}) == 2, row  # distinct GPUs
+        assert row["preemptions"] == 1 and row["restarts"] >= 1 and row["resumed_from"], row  # resumed
+    assert by_job["digits-augment"]["ooms"] == 1 and by_job["digits-augment"]["share"] == 0.5
+    assert by_job["digits-augment"]["resumed_from"][0] >= 5  # the OOM retry resumed from a checkpoint
+    for job in ("digits-ddp", "charlm"):
+        assert by_job[job]["ooms"] == 0 and by_job[job]["share"] == 0.25, by_job[job]
+    # The others went on: while digits-augment was retried, each of them trained (a step window spans it).
+    from elastic.ledger import read_ledger
+    from elastic.ledger.events import Steps
+
+    env = dict(os.environ)
+    os.environ.update(stack["env"])
+    try:
+        record = read(storage(stack), f"elastic/runs/{name}-digits-augment/elastic-trial.json")
+        retried = record["attempts"][1]["started"]
+        for job in ("digits-ddp", "charlm"):
+            windows = [e for e in read_ledger(f"s3://elastic/runs/{name}-{job}") if isinstance(e, Steps)]
+            assert any(w.time <= retried <= w.ended for w in windows), (job, retried)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)

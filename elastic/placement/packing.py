@@ -110,6 +110,27 @@ def memory_cap(plan_fraction: float) -> float:
     return min(1.0, max(0.01, plan_fraction))
 
 
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    """Most intervals open at one instant (an interval's end closes before another's start at the same time)."""
+    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals], key=lambda e: (e[0], e[1]))
+    best = current = 0
+    for _, delta in events:
+        current += delta
+        best = max(best, current)
+    return best
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of intervals as disjoint ones, in order (touching ones join)."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
 def _share(per_gpu: int) -> float:
     # Round down, so n shares never add up to more than one GPU.
     return math.floor(10**_SHARE_DIGITS / per_gpu) / 10**_SHARE_DIGITS

@@ -1,4 +1,4 @@
-"""Unit tests for elastic/sweep/packing.py: the pure packing policy."""
+"""Unit tests for elastic/placement/packing.py: the pure packing policy."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import os
 
 import pytest
 
-from elastic.bench.packing import max_overlap
-from elastic.sweep.packing import (
+from elastic.placement.packing import (
     GB,
     Probe,
     bigger_share,
     concurrency_cap,
     fixed_plan,
+    max_overlap,
     memory_cap,
     plan_packing,
     rank_placement,
