@@ -39,6 +39,7 @@ DCP_METADATA = ".metadata"
 TOMBSTONE = "RETIRED"
 # A Ray Train function's reported checkpoint folder, kept inside the step folder beside the shards.
 ATTACHED = "files"
+PINS = "pins"  # <run>/pins/<holder>.json: {"step": N}, a checkpoint someone is about to copy (PBT's exploit)
 _STEP_FOLDER = re.compile(r"^step-(\d{9})$")
 
 
@@ -208,10 +209,12 @@ class CheckpointStore:
         folder: the process that commits the checkpoints prunes through `Retention`, which does not."""
         return self.prune(self.live_folders(), keep, keep_every)
 
-    def prune(self, folders: dict[int, set[str]], keep: int, keep_every: int | None = None) -> list[int]:
+    def prune(
+        self, folders: dict[int, set[str]], keep: int, keep_every: int | None = None, pinned: set[int] = frozenset()
+    ) -> list[int]:
         """Retention over `folders` (step -> its file names, the marker among them if committed): retire or
         delete what `prunable` picks, dropping each from `folders` once it is gone. Returns the deleted steps."""
-        doomed = prunable({step: MARKER in names for step, names in folders.items()}, keep, keep_every)
+        doomed = prunable({step: MARKER in names for step, names in folders.items()}, keep, keep_every, pinned)
         for step in doomed:
             names = folders[step]
             if MARKER in names:
@@ -232,6 +235,34 @@ class CheckpointStore:
         for step in torn:
             self.delete(step)
         return torn
+
+    # -- pins: checkpoints another run is about to copy, which retention keeps
+    def pin(self, step: int, holder: str) -> None:
+        """Keep `step` through retention until `holder` unpins it (one pin per holder: a new one replaces it)."""
+        self.fs.makedirs(f"{self.root}/{PINS}", exist_ok=True)  # a local folder needs it; object stores have none
+        self.fs.pipe_file(f"{self.root}/{PINS}/{holder}.json", json.dumps({"step": step, "time": time.time()}).encode())
+
+    def unpin(self, holder: str) -> None:
+        try:
+            self.fs.rm(f"{self.root}/{PINS}/{holder}.json")
+        except FileNotFoundError:
+            pass
+
+    def pinned_steps(self) -> set[int]:
+        """The steps pinned now, from one listing of the pins folder (unreadable pins are skipped)."""
+        folder = f"{self.root}/{PINS}"
+        self.fs.invalidate_cache(folder)
+        try:
+            names = [p for p in self.fs.ls(folder, detail=False) if p.endswith(".json")]
+        except FileNotFoundError:
+            return set()
+        steps = set()
+        for name in names:
+            try:
+                steps.add(int(json.loads(self.fs.cat_file(name))["step"]))
+            except (FileNotFoundError, ValueError, KeyError, TypeError):
+                continue  # unpinned meanwhile, or torn
+        return steps
 
     def retire(self, step: int, names: set[str] | None = None) -> None:
         """Prune a committed checkpoint: marker first (from then on it is not a checkpoint), then a tombstone,
@@ -383,16 +414,20 @@ def _flatten_tensors(value: Any, prefix: str) -> dict[str, Any]:
     return {}
 
 
-def prunable(folders: dict[int, bool], keep: int, keep_every: int | None = None) -> list[int]:
+def prunable(
+    folders: dict[int, bool], keep: int, keep_every: int | None = None, pinned: set[int] = frozenset()
+) -> list[int]:
     """The steps retention deletes, from the live step folders (step -> committed): every folder older than the
-    newest commit except the newest `keep` committed ones and the committed multiples of `keep_every`.
-    Folders newer than the newest commit are saves in flight; without any commit nothing is deleted."""
+    newest commit except the newest `keep` committed ones, the committed multiples of `keep_every` and the
+    `pinned` ones. Folders newer than the newest commit are saves in flight; without any commit nothing is
+    deleted."""
     committed = sorted(step for step, is_committed in folders.items() if is_committed)
     if not committed:
         return []
     kept = set(committed[-keep:])
     if keep_every:
         kept |= {step for step in committed if step % keep_every == 0}
+    kept |= set(committed) & set(pinned)
     return sorted(step for step in folders if step not in kept and step < committed[-1])
 
 
@@ -406,13 +441,15 @@ class Retention:
 
     def __init__(self, store: CheckpointStore, keep: int, keep_every: int | None = None):
         self.store, self.keep, self.keep_every = store, keep, keep_every
+        self.honor_pins = False  # a sweep trial's: another trial may be about to copy a checkpoint (PBT)
         self._folders: dict[int, set[str]] | None = None  # live step folder -> its files (MARKER if committed)
 
     def committed(self, step: int, files: dict[str, int] | None = None) -> list[int]:
         """Record a commit (`files`: what it wrote, as in its manifest) and prune. Returns the deleted steps."""
         folders = self._view()
         folders[step] = set(files or {}) | {MARKER}
-        return self.store.prune(folders, self.keep, self.keep_every)
+        pinned = self.store.pinned_steps() if self.honor_pins else set()
+        return self.store.prune(folders, self.keep, self.keep_every, pinned)
 
     def failed(self, step: int) -> None:
         """Record a save that did not commit: its folder may hold some shards, deleted once a newer one commits."""

@@ -9,6 +9,7 @@ The experiment lives in storage (elastic.sweep.layout): running the same sweep a
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -137,7 +138,7 @@ def param_space(sweep: SweepSpec) -> dict:
 
 
 def scheduler(sweep: SweepSpec):
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     spec = sweep.scheduler
     if spec.type == "asha":
@@ -148,14 +149,21 @@ def scheduler(sweep: SweepSpec):
             reduction_factor=spec.reduction_factor,
         )
     if spec.type == "pbt":
+        from elastic.sweep.pbt import PinningPBT
+
         space = param_space(sweep)
-        return PopulationBasedTraining(
+        return PinningPBT(
+            run_name_of=functools.partial(_trial_run_name, sweep.name),
             time_attr=spec.time_attr,
             perturbation_interval=spec.perturbation_interval,
             hyperparam_mutations={k: space[k] for k in sweep.pbt_keys()},
             quantile_fraction=spec.quantile_fraction,
         )
     return FIFOScheduler()
+
+
+def _trial_run_name(sweep: str, trial_id: str) -> str:
+    return f"{sweep}-{trial_id}"  # as elastic.sweep.trial names it
 
 
 def driver_resources(cpus: float):

@@ -142,6 +142,7 @@ def _adopt_what_pbt_cloned(record: dict, run_name: str, store: CheckpointStore, 
         return record["exploits"][-1]["step"]
     donor = CheckpointStore(found["run_uri"])
     step = exploit.adopt(donor, found["step"], store)
+    donor.unpin(run_name)  # pinned by the scheduler (elastic.sweep.pbt) until this copy
     donor_params = (read_json(parse_uri(donor.run_uri).child(TRIAL_FILE).uri) or {}).get("params") or {}
     entry = exploit.record_exploit(record, found["run"], found["step"], step, donor.uri(step), params, donor_params)
     write_json(parse_uri(store.run_uri).child(TRIAL_FILE).uri, record)

@@ -34,6 +34,10 @@ class Saves:
         self.last_saved_step: int | None = None
         self._retention = Retention(store, spec.keep, spec.keep_every)
 
+    def honor_pins(self) -> None:
+        """Retention keeps the checkpoints other runs pinned (a sweep trial's: PBT may be copying one)."""
+        self._retention.honor_pins = True
+
     def start(
         self,
         step: int,

@@ -445,6 +445,10 @@ class Session:
             dist.all_reduce(tensor)
         return tensor.tolist()
 
+    def keep_pinned_checkpoints(self) -> None:
+        """Retention keeps checkpoints that other runs pinned (a sweep trial's: PBT's exploit copies them)."""
+        self._saves.honor_pins()
+
     def log(self, message: str, all_ranks: bool = False) -> None:
         """Log `message` (at INFO, as `[elastic] message` once the worker entry configured elastic.logs):
         on rank 0 only, unless `all_ranks`."""

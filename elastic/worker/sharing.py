@@ -80,6 +80,7 @@ class TrialSetup:
 
     def run(self, session: Session, train: Callable[[Session], Any]) -> None:
         session.report_every_commit = True  # each report is a Tune iteration: schedulers count them
+        session.keep_pinned_checkpoints()  # another trial's exploit may be copying one (elastic.sweep.pbt)
         session.adopted_step = self.adopted_step
         fs, root = session.store.fs, session.store.root
         oom = read_marker(fs, f"{root}/{OOM_FILE}")

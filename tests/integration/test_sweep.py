@@ -372,6 +372,9 @@ def test_pbt_exploit_adopts_the_donors_checkpoint_and_keeps_the_mutated_lr(stack
         assert any(
             [s for s in CheckpointStore(f"{train}/{run}").restorable_steps() if s > e["step"]] for run, e in exploits
         ), "no recipient trained past its adopted checkpoint"
+        # every exploit copied the very checkpoint PBT cloned (pinned until copied), and left no pin behind
+        assert all(e["step"] == e["requested_step"] for _, e in exploits), exploits
+        assert storage(stack).glob(f"elastic/runs/{name}/train/*/pins/*.json") == []
     finally:
         os.environ.clear()
         os.environ.update(env)

@@ -475,3 +475,36 @@ def test_each_save_records_why_it_was_written_in_its_marker(store, run):
     assert [(i.step, i.reason) for i in store.list()] == [(10, "periodic"), (13, "just-in-time")]
     assert store.info(13).to_json()["reason"] == "just-in-time"
     assert json.loads((step_dir(run, 13) / MARKER).read_text())["reason"] == "just-in-time"
+
+
+def test_prunable_keeps_pinned_committed_steps():
+    folders = {10: True, 20: True, 30: True, 40: True}
+    assert prunable(folders, keep=1, pinned={20}) == [10, 30]
+    assert prunable(folders, keep=1, pinned={25, 99}) == [10, 20, 30]  # a pin of no checkpoint keeps nothing
+
+
+def test_a_pinned_checkpoint_survives_retention_until_unpinned(store, run):
+    """PBT's exploit: the donor's checkpoint a recipient is about to copy is pinned (one pin per recipient, a
+    new one replaces it); a sweep trial's retention keeps it; once the recipient unpins, it goes."""
+    make_checkpoints(store, run, committed=[10])
+    store.pin(10, holder="sweep-b")
+    store.pin(10, holder="sweep-c")
+    assert store.pinned_steps() == {10}
+    retention = Retention(store, keep=1)
+    retention.honor_pins = True
+    assert retention.committed(20, _commit(store, run, 20)) == []
+    assert retention.committed(30, _commit(store, run, 30)) == [20]
+    assert steps_on_disk(run) == [10, 30]
+    store.pin(30, holder="sweep-c")  # c's new exploit replaces its pin
+    store.unpin("sweep-b")
+    store.unpin("sweep-b")  # twice: harmless
+    assert store.pinned_steps() == {30}
+    assert retention.committed(40, _commit(store, run, 40)) == [10]
+    assert steps_on_disk(run) == [30, 40]
+
+
+def test_retention_of_a_plain_run_does_not_read_pins(store, run, monkeypatch):
+    make_checkpoints(store, run, committed=[10])
+    store.pin(10, holder="someone")
+    monkeypatch.setattr(store, "pinned_steps", lambda: pytest.fail("a plain run lists no pins"))
+    assert Retention(store, keep=1).committed(20, _commit(store, run, 20)) == [10]
