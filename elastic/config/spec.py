@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (
@@ -44,6 +44,14 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 class WorkersSpec(_Frozen):
     """How many training workers, what each needs, and which nodes they may run on."""
 
@@ -55,8 +63,11 @@ class WorkersSpec(_Frozen):
         description="Most workers; defaults to min. min < max makes the run elastic.",
     )
     cpus: float = Field(default=1.0, gt=0, le=MAX_CPUS_PER_WORKER, description="CPUs per worker.")
-    gpus: float = Field(
-        default=0.0, ge=0, le=MAX_GPUS_PER_WORKER, description="GPUs per worker (0 trains on CPU with gloo)."
+    gpus: Union[float, Literal["auto"]] = Field(
+        default=0.0,
+        description="GPUs per worker (0 trains on CPU with gloo). A fraction below 1 shares a GPU: the worker caps "
+        "its memory at that share and an out-of-memory error goes on at a doubled share. auto: a probe on a "
+        "whole GPU measures the peak memory and sizes the share (CUDA only).",
     )
     market: Market = Field(
         default="any",
@@ -87,6 +98,25 @@ class WorkersSpec(_Frozen):
         description="Elastic runs below max: grow at the next checkpoint once free capacity for more workers "
         "has been seen this long (a steady reading, so a node coming and going causes no resize).",
     )
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpus_number_or_auto(cls, value: Any) -> Any:
+        # One line for a wrong value, not pydantic's one per member of the union.
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)) or not _is_number(str(value)):
+            raise ValueError(f"GPUs per worker: a number (1, or 0.5 to share a GPU) or auto, not {value!r}")
+        if float(value) < 0:
+            raise ValueError(f"GPUs per worker: at least 0 (or auto), not {value}; raise it")
+        if float(value) > MAX_GPUS_PER_WORKER:
+            raise ValueError(f"GPUs per worker: at most {MAX_GPUS_PER_WORKER}, not {value}; lower it")
+        return float(value)
+
+    @property
+    def gpus_at_most(self) -> float:
+        """The GPUs a worker may hold: `auto` becomes a share of at most one GPU once probed."""
+        return 1.0 if self.gpus == "auto" else self.gpus
 
     @field_validator("min", "max", mode="before")
     @classmethod

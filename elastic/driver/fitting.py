@@ -20,6 +20,7 @@ from elastic import logs
 from elastic.checkpoint.store import run_directory
 from elastic.config.spec import JobSpec
 from elastic.driver.placements import PlacementExecutor
+from elastic.driver.probe import auto_share
 from elastic.driver.ray_config import build_trainer
 from elastic.driver.run_ledger import end_run_ledger, start_run_ledger
 from elastic.driver.runs import RunSummary, checkpoint_uri, write_summary
@@ -66,6 +67,11 @@ def run_job(spec: JobSpec, run_name: str) -> RunSummary:
     checkpoint: str | None = None
     placements: list[dict] = []
     try:
+        if workers.gpus == "auto":  # probed on a whole GPU first, then a run on the share it measured
+            share, reason = auto_share(spec, run_name, logger.info)
+            logger.info("run %s: workers.gpus auto -> GPU share %s (%s)", run_name, share, reason)
+            spec = spec.model_copy(update={"workers": workers.model_copy(update={"gpus": share})})
+            workers = spec.workers
         if 0 < workers.gpus < 1:
             result = fit_shared_run(spec, run_name, run_uri, placements, ledger)
         else:

@@ -24,7 +24,7 @@ def check_memory(spec: JobSpec, working_dir: Path, nodes: list[NodeView] | None,
     """Raise SpecError (one line: the need, the GPU, the fix) when the plan cannot fit; quiet when the job plans
     nothing, trains on CPUs, or the GPU's memory is unknown (no `workers.gpu_memory_gb`, no `nodes` to ask)."""
     workers = spec.workers
-    if workers.gpus <= 0:
+    if workers.gpus_at_most <= 0:
         return
     if workers.gpu_memory_gb is not None:
         gpu, memory = "the GPU (workers.gpu_memory_gb)", workers.gpu_memory_gb
@@ -39,7 +39,7 @@ def check_memory(spec: JobSpec, working_dir: Path, nodes: list[NodeView] | None,
         if found is None:
             return
         # A fractional GPU (packed trials) gets that share of the card's memory.
-        gpu, memory = f"a worker's share of the {found[0]} GPU", found[1] * min(1.0, workers.gpus)
+        gpu, memory = f"a worker's share of the {found[0]} GPU", found[1] * min(1.0, workers.gpus_at_most)
     plan = load_plan(spec, working_dir)
     if plan is None:
         return

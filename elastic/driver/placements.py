@@ -233,7 +233,7 @@ class PlacementExecutor:
                 market=placement.market,
                 workers=placement.workers,
                 cpus_per_worker=workers.cpus,
-                gpus_per_worker=self.sharing.share if self.sharing is not None else workers.gpus,
+                gpus_per_worker=self.sharing.share if self.sharing is not None else workers.gpus_at_most,
                 reason=placement.reason,
                 follows=follows,
             )

@@ -44,7 +44,7 @@ def scaling_config(
         selector = {**selector, NODE_ID_LABEL: f"!in({','.join(sorted(avoid_nodes))})"}
     return ScalingConfig(
         num_workers=num_workers,
-        use_gpu=workers.gpus > 0,
+        use_gpu=workers.gpus_at_most > 0,
         resources_per_worker=worker_resources(workers),
         label_selector=selector,
         elastic_resize_monitor_interval_s=NO_RUNNING_RESIZE_SECONDS,
@@ -57,7 +57,7 @@ def failure_config(failure: FailureSpec):
 
 def torch_backend(workers: WorkersSpec, logical_gpus: bool) -> str:
     """NCCL on real GPUs; gloo on CPU and on the logical GPUs the local cluster declares on a CPU machine."""
-    return "nccl" if workers.gpus > 0 and not logical_gpus else "gloo"
+    return "nccl" if workers.gpus_at_most > 0 and not logical_gpus else "gloo"
 
 
 def build_trainer(

@@ -21,7 +21,7 @@ from elastic.config.entrypoint import check_entrypoint
 from elastic.config.spec import JobSpec
 from elastic.driver.auth import auth_failure
 from elastic.driver.memory_plan import check_memory
-from elastic.errors import ClusterError, UserError
+from elastic.errors import ClusterError, SpecError, UserError
 from elastic.local import stack as local
 from elastic.logs import LEVEL_VARIABLE
 from elastic.placement import labels
@@ -107,6 +107,11 @@ def submit(
     run_name = spec.run_name(suffix)
     if check_bucket:
         _check_storage_from_client(spec, target)
+    if spec.workers.gpus == "auto" and target.local is not None and target.local.logical_gpus:
+        raise SpecError(
+            f"{spec_source or spec.name}: workers.gpus: auto sizes the share from the GPU memory a probe measures, "
+            "and the local stack's logical GPUs have none (no CUDA); give workers.gpus a fraction, e.g. 0.5"
+        )
     jobs = client(target)
     nodes = live_nodes(target)
     if spec.workers.gpu_memory_gb is None:  # the GPU types the cluster's nodes report

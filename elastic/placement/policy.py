@@ -53,8 +53,8 @@ class Decision:
 
 def worker_resources(workers: WorkersSpec) -> dict[str, float]:
     resources = {"CPU": workers.cpus}
-    if workers.gpus:
-        resources["GPU"] = workers.gpus
+    if workers.gpus_at_most:
+        resources["GPU"] = workers.gpus_at_most
     return resources
 
 

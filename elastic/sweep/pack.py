@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic.config.spec import JobSpec, load_job_spec
+from elastic.driver.probe import PROBE_STEPS, measured_probe, probe_run
 from elastic.errors import SpecError, UserError
 from elastic.ledger import read_ledger
 from elastic.ledger.events import PreemptionNotice, Restored, Steps, WorkersStarted
 from elastic.placement import packing
 from elastic.storage import parse_uri, pyarrow_filesystem
 from elastic.sweep.layout import TRIAL_FILE, read_json, write_json
-from elastic.sweep.probe import measured_probe, probe_run
 from elastic.worker.sharing import GPUS_FILE
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,6 @@ PACK_FILE = "elastic-pack.json"
 DRIVER_CPUS = 0.05  # each job's trial driver and Train controller, on an on-demand node when there is one
 MAX_FAILURES = 2  # Tune restarts of a job whose driver failed (it resumes from its checkpoint)
 MAX_OOM_RETRIES = 2  # 1/4 -> 1/2 -> 1
-PROBE_STEPS = 20
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import SweepSpec, _example_value, trial_job
 from elastic.driver.auth import auth_failure
+from elastic.driver.probe import measured_probe, probe_run
 from elastic.driver.submit import DEFAULT_EXCLUDES
 from elastic.errors import ClusterError, UserError
 from elastic.local import stack as local
@@ -28,7 +29,6 @@ from elastic.placement.labels import MARKET_LABEL, matches, worker_selector
 from elastic.storage import parse_uri, pyarrow_filesystem
 from elastic.sweep.layout import PLAN_FILE, TRIAL_FILE, experiment_uri, read_json, train_root, write_json
 from elastic.sweep.ledger import end_sweep_ledger, start_sweep_ledger
-from elastic.sweep.probe import measured_probe, probe_run
 from elastic.sweep.progress import Progress, SchedulerState
 from elastic.sweep.trial import trial_main
 
