@@ -137,7 +137,7 @@ def run_pack(
     """Run (or restore and finish) the pack on the connected cluster; returns the report `--json` prints."""
     from ray import tune
 
-    from elastic.sweep.progress import Progress
+    from elastic.sweep.progress import LiveTable, Progress
     from elastic.sweep.runner import driver_resources
     from elastic.sweep.trial import trial_main
 
@@ -173,7 +173,7 @@ def run_pack(
                 storage_path=root_path,
                 storage_filesystem=root_fs,
                 failure_config=tune.FailureConfig(max_failures=MAX_FAILURES),
-                callbacks=[Progress(label="pack")],
+                callbacks=[Progress(label="pack"), LiveTable([j.name for j in jobs])],
                 verbose=0,
             ),
         )

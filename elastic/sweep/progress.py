@@ -1,4 +1,5 @@
-"""Tune callbacks of a sweep: live progress lines, and ASHA's rungs carried across a restore."""
+"""Tune callbacks of sweeps and packs: live progress lines, a pack's live table, and ASHA's rungs carried across a
+restore."""
 
 from __future__ import annotations
 
@@ -72,3 +73,67 @@ def _short(values: dict) -> str:
 
 def _count(trials, status: str) -> int:
     return sum(t.status == status for t in trials)
+
+
+class LiveTable(Callback):
+    """A live table of a pack's jobs (job, state, iterations, step, loss) on stderr, redrawn as results arrive,
+    when stderr is a terminal; elsewhere (a pipe, a remote job's log) the Progress lines say the same."""
+
+    def __init__(self, jobs: list[str]):
+        self.rows = {job: {"state": "PENDING", "iterations": 0, "step": None, "loss": None} for job in jobs}
+        self._live = None
+
+    def setup(self, **info):
+        from rich.console import Console
+        from rich.live import Live
+
+        console = Console(stderr=True)
+        if console.is_terminal:
+            self._live = Live(self._table(), console=console, refresh_per_second=2, transient=True)
+            self._live.start()
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self._update(trial, state="RUNNING")
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self._update(
+            trial,
+            state="RUNNING",
+            iterations=result.get("training_iteration"),
+            step=result.get("step"),
+            loss=result.get("loss"),
+        )
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._update(trial, state="TERMINATED")
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._update(trial, state="ERROR")
+
+    def on_experiment_end(self, trials, **info):
+        if self._live is not None:
+            self._live.stop()
+
+    def _update(self, trial, **values) -> None:
+        row = self.rows.setdefault(trial.config.get("job", trial.trial_id), {})
+        row.update({k: v for k, v in values.items() if v is not None})
+        if self._live is not None:
+            self._live.update(self._table())
+
+    def _table(self):
+        from rich.table import Table
+
+        table = Table("job", "state", "iterations", "step", "loss", title="pack")
+        for job, row in self.rows.items():
+            loss = row.get("loss")
+            table.add_row(
+                job,
+                row.get("state", ""),
+                str(row.get("iterations") or 0),
+                str(row.get("step") if row.get("step") is not None else "-"),
+                f"{loss:.4g}" if isinstance(loss, float) else "-",
+            )
+        return table
+
+    def __getstate__(self):  # saved with the experiment: the live display is this process's alone
+        return {**self.__dict__, "_live": None}

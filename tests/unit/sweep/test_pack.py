@@ -68,3 +68,19 @@ def test_gpu_names_per_rank():
     ranks = [{"rank": 0, "node": "abcdef0123456789", "gpus": ["0"]}, {"rank": 1, "node": "fedcba98", "gpus": []}]
     assert pack.gpu_names(ranks) == ["abcdef01:0", "fedcba98:-"]
     assert pack.gpu_names(None) == []
+
+
+def test_the_live_table_follows_each_job():
+    from types import SimpleNamespace
+
+    from elastic.sweep.progress import LiveTable
+
+    table = LiveTable(["charlm", "digits-ddp"])
+    table.setup()  # not a terminal here: no live display, the rows still follow
+    trial = SimpleNamespace(config={"job": "charlm"}, trial_id="t1")
+    table.on_trial_start(0, [], trial)
+    table.on_trial_result(0, [], trial, {"training_iteration": 3, "step": 60, "loss": 2.5})
+    assert table.rows["charlm"] == {"state": "RUNNING", "iterations": 3, "step": 60, "loss": 2.5}
+    table.on_trial_complete(0, [], trial)
+    assert table.rows["charlm"]["state"] == "TERMINATED" and table.rows["digits-ddp"]["state"] == "PENDING"
+    assert table._table().row_count == 2
