@@ -15,7 +15,7 @@ INTEGRATION = "tests/integration/"
 MODULE_SECONDS = {
     "test_submit_digits.py": 1583,
     "test_preemption_e2e.py": 1250,
-    "test_sweep.py": 950,
+    "test_sweep.py": 1300,
     "test_chaos_soak.py": 563,
     "test_cluster_rehearsal.py": 460,
     "test_local_lifecycle.py": 431,
