@@ -53,7 +53,11 @@ lint: install
 # Two pytest-xdist workers: each integration module whole and in order on one of them (tests/conftest.py), the
 # unit tests spread over both; the log ends with the 25 slowest tests and the total time.
 test: lint
-	$(BIN)/python -m pytest tests -n 2 --durations=25
+	$(BIN)/python -m pytest tests -n 2 --durations=25 -m "not docs"
+
+# Every runnable shell block of README.md and docs/ against a local stack (tests/integration/test_docs_blocks.py).
+test-docs: install
+	$(BIN)/python -m pytest tests/integration/test_docs_blocks.py -m docs --durations=0
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit
