@@ -8,7 +8,8 @@ Before the job's function runs, every rank:
   gets an out-of-memory error itself instead of pushing a neighbour out of memory.
 
 While it runs, an out-of-memory error is caught and written to the run folder (`oom.json`), so the trial's
-driver retries it with a bigger share; a probe run stops after `probe_steps` steps and writes what it measured
+driver retries it with a bigger share (a worker group that Ray Train restarts after a rank's OOM finds the
+marker and ends at once, rather than running out of memory again at the same share); a probe run stops after `probe_steps` steps and writes what it measured
 (`probe.json`). Fault injection for tests: ELASTIC_INJECT_OOM="STEP:SHARE" raises torch.OutOfMemoryError
 after optimizer step STEP on every worker whose share is below SHARE (as a real OOM would, every time).
 """
