@@ -138,7 +138,7 @@ def run_pack(
     from ray import tune
 
     from elastic.sweep.progress import LiveTable, Progress
-    from elastic.sweep.runner import driver_resources
+    from elastic.sweep.runner import driver_resources, restore_tuner
     from elastic.sweep.trial import trial_main
 
     started = time.monotonic()
@@ -154,14 +154,7 @@ def run_pack(
     space = {"job": tune.grid_search([j.name for j in jobs])}
     if tune.Tuner.can_restore(experiment_path, storage_filesystem=filesystem):
         say(f"restoring pack {name} from {experiment}")
-        tuner = tune.Tuner.restore(
-            experiment_path,
-            trainable,
-            resume_unfinished=True,
-            resume_errored=True,
-            param_space=space,
-            storage_filesystem=filesystem,
-        )
+        tuner = restore_tuner(experiment_path, filesystem, trainable, space)
     else:
         root_fs, root_path = pyarrow_filesystem(jobs[0].job.checkpoint.uri)
         tuner = tune.Tuner(

@@ -162,6 +162,20 @@ def scheduler(sweep: SweepSpec):
     return FIFOScheduler()
 
 
+def restore_tuner(experiment_path: str, filesystem, trainable, space: dict):
+    """Tune's experiment as stored, to finish: unfinished and errored trials resume (from their own checkpoints)."""
+    from ray import tune
+
+    return tune.Tuner.restore(
+        experiment_path,
+        trainable,
+        resume_unfinished=True,
+        resume_errored=True,
+        param_space=space,
+        storage_filesystem=filesystem,
+    )
+
+
 def _trial_run_name(sweep: str, trial_id: str) -> str:
     return f"{sweep}-{trial_id}"  # as elastic.sweep.trial names it
 
@@ -228,14 +242,7 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
     )
     if restorable:
         say(f"restoring sweep {sweep.name} from {experiment}")
-        tuner = tune.Tuner.restore(
-            experiment_path,
-            trainable,
-            resume_unfinished=True,
-            resume_errored=True,
-            param_space=param_space(sweep),
-            storage_filesystem=filesystem,
-        )
+        tuner = restore_tuner(experiment_path, filesystem, trainable, param_space(sweep))
     else:
         root_fs, root_path = pyarrow_filesystem(sweep.storage or job.checkpoint.uri)
         trial_scheduler = scheduler(sweep)
