@@ -79,6 +79,22 @@ def test_a_sweep_with_address_runs_its_own_command_line_as_a_job_and_prints_the_
     assert json.loads(out.stdout) == RESULT
 
 
+def test_a_pack_with_address_passes_every_job_file_and_override(jobs):
+    jobs.chunks = [remote.result_line({"pack": "p", "jobs": [], "peak_concurrent": 0, "errors": 0}) + "\n"]
+    out = run(
+        "pack", "jobs/digits_ddp.yaml", "jobs/charlm.yaml", "--gpu-share", "0.25", "--set", "charlm:config.epochs=1",
+        "--json", "--address", "http://h:8265",
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    [job] = jobs.submitted
+    assert shlex.split(job["entrypoint"])[3:] == [
+        "pack", "jobs/digits_ddp.yaml", "jobs/charlm.yaml", "--gpu-share", "0.25", "--set", "charlm:config.epochs=1",
+        "--json",
+    ]  # fmt: skip
+    assert job["metadata"]["elastic_run"].startswith("pack pack-")
+    assert json.loads(out.stdout)["pack"] == "p"
+
+
 def test_running_the_same_sweep_again_follows_the_running_job_instead_of_a_second_driver(jobs):
     status = type("Status", (), {"value": "RUNNING"})()
     jobs.running = [type("Job", (), {"metadata": {"elastic_run": "sweep digits-sweep"}, "status": status,
