@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from elastic.bench import packing_floor as floor
 from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import SweepSpec
 from elastic.errors import ClusterError
@@ -112,7 +113,10 @@ def bench_concurrency(
     cpus: float,
     say: Callable[[str], None],
     market: str = "any",
+    with_floor: bool = True,
 ) -> dict:
+    """T trials holding at share S through the real sweep path; with the floor, the same hold as plain Tune
+    function trainables right after (elastic.bench.packing_floor), and ours over theirs."""
     gpus = market_gpus(market)
     if gpus <= 0:
         raise ClusterError(
@@ -151,12 +155,18 @@ def bench_concurrency(
         f"{requested}"
     )
     started = time.time()
-    result = run_sweep(sweep, job, say=say)
+    with floor.RayMemorySampler() as memory:
+        result = run_sweep(sweep, job, say=say)
     ended = time.time()
-    return {
-        **summarize_concurrency(result, uri, name, share, gpus, trials, requested, started, ended),
-        "market": market,
-    }
+    summary = summarize_concurrency(result, uri, name, share, gpus, trials, requested, started, ended)
+    summary["market"] = market
+    ours = {"ram_per_trial_mb": memory.per_trial_mb(trials), "start_seconds": summary.pop("_start_seconds")}
+    summary["ours"] = ours
+    if with_floor:
+        say(f"bench packing: the floor, {trials} plain Tune function trainable(s) at share {share}")
+        plain = floor.bench_plain_tune(uri, name, share, trials, requested, hold_s, cpus, market)
+        summary.update({"plain_tune": plain, **floor.floor_ratios(ours, plain)})
+    return summary
 
 
 def summarize_concurrency(
@@ -187,8 +197,9 @@ def summarize_concurrency(
             if "arrived" in metrics:
                 startup.append(metrics["arrived"] - first)
     reached = packing.max_overlap(intervals)
-    mean = lambda xs: round(sum(xs) / len(xs), 2) if xs else None
+    mean = floor.mean_of
     return {
+        "_start_seconds": mean([a - started for a, _ in intervals]),
         "share": share,
         "gpus": gpus,
         "trials": trials,

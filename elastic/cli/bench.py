@@ -229,6 +229,13 @@ def _run_bench(
     type=click.Choice(["any", "spot", "on-demand"]),
     help="Worker nodes whose GPUs the trials share.",
 )
+@click.option(
+    "--floor/--no-floor",
+    "with_floor",
+    default=True,
+    show_default=True,
+    help="Also run the same hold as plain Tune function trainables: memory per trial and start, ours over theirs.",
+)
 @click.option("--compare", is_flag=True, help="Real GPUs: auto against whole-GPU trials (trials/hour, GPU util).")
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(1), help="--compare: steps per trial.")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(8), help="--compare: MLP width.")
@@ -247,6 +254,7 @@ def bench_packing_cmd(
     hold_s: float,
     cpus: float,
     market: str,
+    with_floor: bool,
     compare: bool,
     steps: int,
     width: int,
@@ -277,7 +285,7 @@ def bench_packing_cmd(
             if compare:
                 result = bench_packing.bench_compare(target, trials or 8, steps, width, batch, gpu_memory_gb, say)
             else:
-                result = bench_packing.bench_concurrency(target, share, trials, hold_s, cpus, say, market)
+                result = bench_packing.bench_concurrency(target, share, trials, hold_s, cpus, say, market, with_floor)
             sweeps.disconnect()
         return result
 

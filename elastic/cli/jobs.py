@@ -74,7 +74,7 @@ def submit_cmd(
 def run_cmd(job_file: Path | None, run_name: str | None, overrides: tuple[str, ...]) -> None:
     """Run a job in this process as the Ray driver (what `submit` starts on the cluster)."""
     from elastic.config.spec import load_job_spec
-    from elastic.driver.fitting import run_job
+    from elastic.driver.job import run_job
     from elastic.driver.submit import spec_from_environment
 
     spec = load_job_spec(job_file, overrides) if job_file else spec_from_environment()

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from elastic.checkpoint.store import run_directory
 from elastic.config.spec import JobSpec
+from elastic.driver.fitting import fit_run
 from elastic.errors import UserError
 from elastic.placement import packing
 from elastic.storage import fsspec_filesystem, parse_uri
@@ -22,8 +23,6 @@ PROBE_STEPS = 20
 def probe_run(job: JobSpec, run_name: str, steps: int, say: Callable[[str], None]) -> dict:
     """Fit `job` under `run_name` for `steps` optimizer steps on a whole GPU (no checkpoint is written); what
     its workers measured, or {} when they wrote nothing."""
-    from elastic.driver.fitting import fit_run  # the driver's fit, which itself probes `auto` runs through here
-
     job = job.model_copy(
         update={"checkpoint": job.checkpoint.model_copy(update={"every_steps": 10**9, "every_seconds": None})}
     )

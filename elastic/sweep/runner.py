@@ -366,7 +366,7 @@ def connect(job: JobSpec | None = None, excludes: list[str] | tuple[str, ...] = 
         state.use_ray()  # the stack's auth mode and token, whatever this shell exported
     # Imported only now: Ray reads RAY_AUTH_MODE once, when it is imported.
     import ray
-    import torch  # noqa: F401  (before ray.init: see elastic.driver.fitting)
+    import torch  # noqa: F401  (before ray.init: see elastic.driver.job)
 
     if state is not None and state.logical_gpus:
         os.environ["ELASTIC_LOGICAL_GPUS"] = "1"

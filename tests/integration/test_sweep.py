@@ -99,12 +99,16 @@ def test_logical_gpus_run_the_gpu_path_on_cpu(stack):
 
 
 def test_four_trials_share_one_gpu_at_once(stack):
-    proc = stack["cli"].run("bench", "packing", "--market", "on-demand", "--share", "0.25", "--json", timeout=420)
+    proc = stack["cli"].run(
+        "bench", "packing", "--market", "on-demand", "--share", "0.25", "--no-floor", "--json", timeout=420
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["gpus"] == 1 and result["trials"] == 4 and result["requested_concurrency"] == 4
     assert result["reached_concurrency"] == 4, result
     assert list(result["trials_per_gpu"].values()) == [4] and result["errors"] == 0
+    # memory and start of our trials, measured as the floor's are (the floor itself: bench packing without --no-floor)
+    assert result["ours"]["ram_per_trial_mb"] > 0 and result["ours"]["start_seconds"] > 0, result["ours"]
 
 
 def test_a_sweep_of_a_ray_train_function_runs_from_a_laptop_through_the_job_api(stack, monkeypatch):

@@ -1,0 +1,36 @@
+"""The floor of `bench packing` without a cluster: ours over plain Tune, and the memory of Ray's workers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from elastic.bench import packing_floor as floor
+
+
+def test_ratios_are_ours_over_plain_tune_and_none_where_unmeasured():
+    ours = {"ram_per_trial_mb": 1200.0, "start_seconds": 30.0}
+    assert floor.floor_ratios(ours, {"ram_per_trial_mb": 400.0, "start_seconds": 12.0}) == {
+        "ram_per_trial_vs_plain_tune": 3.0,
+        "start_vs_plain_tune": 2.5,
+    }
+    assert floor.floor_ratios(ours, {"ram_per_trial_mb": None, "start_seconds": 0}) == {
+        "ram_per_trial_vs_plain_tune": None,
+        "start_vs_plain_tune": None,
+    }
+
+
+def test_the_sampler_sees_a_ray_worker_process_come_and_counts_it_per_trial():
+    """A process named like a Ray worker (`ray::...` as its argv[0]) holding ~64 MB of its own memory."""
+    code = "import sys, time; x = bytearray(64 * 1024 * 1024); sys.stdout.write('up\\n'); sys.stdout.flush(); time.sleep(30)"
+    with floor.RayMemorySampler(every=0.2) as memory:
+        proc = subprocess.Popen(["ray::FakeTrial", "-c", code], executable=sys.executable, stdout=subprocess.PIPE)
+        try:
+            assert proc.stdout.readline() == b"up\n"
+            time.sleep(1.0)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert memory.per_trial_mb(2) >= 30  # ~64 MB over 2 trials
+    assert floor.mean_of([1.0, 2.0]) == 1.5 and floor.mean_of([]) is None
