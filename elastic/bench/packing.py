@@ -114,6 +114,7 @@ def bench_concurrency(
     say: Callable[[str], None],
     market: str = "any",
     with_floor: bool = True,
+    light: bool = True,
 ) -> dict:
     """T trials holding at share S through the real sweep path; with the floor, the same hold as plain Tune
     function trainables right after (elastic.bench.packing_floor), and ours over theirs."""
@@ -148,10 +149,12 @@ def bench_concurrency(
             "max_concurrent": trials,
             "storage": uri,
             "max_failures": 0,
+            "light_trials": light,
         }
     )
     say(
-        f"bench packing: {trials} trial(s) at share {share} on {gpus:g} {market} GPU(s); requested concurrency "
+        f"bench packing: {trials} {'light' if light else 'worker-group'} trial(s) at share {share} on {gpus:g} "
+        f"{market} GPU(s); requested concurrency "
         f"{requested}"
     )
     started = time.time()
@@ -160,7 +163,11 @@ def bench_concurrency(
     ended = time.time()
     summary = summarize_concurrency(result, uri, name, share, gpus, trials, requested, started, ended)
     summary["market"] = market
-    ours = {"ram_per_trial_mb": memory.per_trial_mb(trials), "start_seconds": summary.pop("_start_seconds")}
+    summary["light_trials"] = light
+    ours = {
+        "ram_per_trial_mb": memory.per_trial_mb(trials),
+        "driver_to_worker_seconds": summary.pop("_driver_to_worker_seconds"),
+    }
     summary["ours"] = ours
     if with_floor:
         say(f"bench packing: the floor, {trials} plain Tune function trainable(s) at share {share}")
@@ -199,7 +206,7 @@ def summarize_concurrency(
     reached = packing.max_overlap(intervals)
     mean = floor.mean_of
     return {
-        "_start_seconds": mean([a - started for a, _ in intervals]),
+        "_driver_to_worker_seconds": mean([a - started for a, _ in intervals]),
         "share": share,
         "gpus": gpus,
         "trials": trials,

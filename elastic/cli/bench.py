@@ -236,6 +236,12 @@ def _run_bench(
     show_default=True,
     help="Also run the same hold as plain Tune function trainables: memory per trial and start, ours over theirs.",
 )
+@click.option(
+    "--light/--no-light",
+    default=True,
+    show_default=True,
+    help="Our trials as light ones (in the trainable's process) or each with a Ray Train worker group.",
+)
 @click.option("--compare", is_flag=True, help="Real GPUs: auto against whole-GPU trials (trials/hour, GPU util).")
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(1), help="--compare: steps per trial.")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(8), help="--compare: MLP width.")
@@ -255,6 +261,7 @@ def bench_packing_cmd(
     cpus: float,
     market: str,
     with_floor: bool,
+    light: bool,
     compare: bool,
     steps: int,
     width: int,

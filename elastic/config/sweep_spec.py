@@ -138,6 +138,12 @@ class SweepSpec(_Frozen):
         default="auto", description="GPU fraction of each training worker, in (0, 1], or auto (planned)."
     )
     packing: PackingSpec = Field(default_factory=PackingSpec)
+    light_trials: bool = Field(
+        default=True,
+        description="A one-worker trial trains in its Tune trainable's own process (Ray Train's local mode: no "
+        "Train controller, worker group or helper actors), holding the worker's CPUs and GPU share itself. "
+        "false: every trial runs a Ray Train worker group.",
+    )
     driver_cpus: float = Field(
         default=0.05, gt=0, le=1, description="CPU of each trial's driver (its Tune trainable and Train controller)."
     )

@@ -8,6 +8,10 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+import torch.distributed as dist
+
+from elastic.checkpoint.store import run_directory
 from elastic.config.spec import JobSpec
 from elastic.driver.placements import PlacementExecutor
 from elastic.driver.ray_config import build_trainer
@@ -16,7 +20,8 @@ from elastic.ledger import LedgerWriter, NoLedger
 from elastic.ledger.events import PlacementEnded, PlacementStarted
 from elastic.placement import packing
 from elastic.storage import fsspec_filesystem
-from elastic.worker.sharing import OOM_FILE, TrialSharing, read_marker
+from elastic.worker import in_process
+from elastic.worker.sharing import OOM_FILE, TrialSharing, read_marker, trial_worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -87,3 +92,45 @@ def fit_shared_run(spec: JobSpec, run_name: str, run_uri: str, placements: list[
         share = packing.bigger_share(share)
         logger.warning("run %s: out of memory at step %s; going on at GPU share %s", run_name, oom.get("step"), share)
     raise TrialOutOfMemory(f"run {run_name} ran out of GPU memory at share {share}: {oom.get('error')}")
+
+
+def fit_in_process(
+    spec: JobSpec,
+    run_name: str,
+    sharing: TrialSharing,
+    forward,
+    ledger: LedgerWriter | NoLedger,
+) -> None:
+    """A light trial's run: its one worker trains in this process (the Tune trainable's, which holds the
+    worker's CPUs and GPU share), through the same worker entry as a worker group's, every report handed to
+    `forward(metrics, checkpoint path)` for Tune (elastic.worker.in_process). One placement in the run ledger."""
+    ledger.record(
+        PlacementStarted(
+            time.time(),
+            placement="",
+            market=spec.workers.market,
+            workers=1,
+            cpus_per_worker=spec.workers.cpus,
+            gpus_per_worker=sharing.share,
+            reason="light trial: in the trial's own process",
+        )
+    )
+    ended_by = "failed"
+    payload = {
+        "spec": spec.model_dump(mode="json"),
+        "run_name": run_name,
+        "placement": None,
+        "sharing": sharing.worker_payload(),
+    }
+    # A process group of one, as a worker group of one has: the session's DDP wrapper and its collectives run
+    # unchanged (an in-memory store: no port to open).
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with in_process.running_in_process(run_directory(spec, run_name), run_name, forward):
+            trial_worker_main(payload)
+        ended_by = "finished"
+    finally:
+        dist.destroy_process_group()
+        ledger.record(PlacementEnded(time.time(), placement="", ended_by=ended_by))
+        ledger.flush()

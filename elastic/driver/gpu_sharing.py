@@ -43,18 +43,24 @@ def current(target) -> list[dict]:
 
 def shared_workers(actors) -> list[dict]:
     """The alive training workers holding a GPU fraction below 1 (Ray state API actors), one dict each:
-    run, run_uri, node, share."""
+    run, run_uri, node, share; a light sweep trial (elastic.sweep.trial.is_light) trains in its Tune trainable."""
     found = []
     for actor in actors:
-        if "RayTrainWorker" not in (actor.class_name or "") or actor.state != "ALIVE":
+        light = "ImplicitFunc" in (actor.class_name or "")  # a Tune function trainable: a light trial trains in it
+        if not (light or "RayTrainWorker" in (actor.class_name or "")) or actor.state != "ALIVE":
             continue
         share = gpu_share(actor.required_resources or {})
         env = _env_vars(actor.serialized_runtime_env)
-        if not 0 < share < 1 or RUN_VARIABLE not in env:
+        if not 0 < share < 1 or not (light or RUN_VARIABLE in env):
             continue
-        found.append(
-            {"run": env[RUN_VARIABLE], "run_uri": env.get(RUN_URI_VARIABLE), "node": actor.node_id, "share": share}
-        )
+        if light:  # its runtime env is the sweep's, shared by every trial: no run name to read, its process then
+            found.append(
+                {"run": f"light trial (pid {actor.pid})", "run_uri": None, "node": actor.node_id, "share": share}
+            )
+        else:
+            found.append(
+                {"run": env[RUN_VARIABLE], "run_uri": env.get(RUN_URI_VARIABLE), "node": actor.node_id, "share": share}
+            )
     return found
 
 

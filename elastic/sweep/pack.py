@@ -10,6 +10,7 @@ works on it (`status`, `report`, `checkpoints ls`). The experiment and its plan 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -138,19 +139,31 @@ def run_pack(
     from ray import tune
 
     from elastic.sweep.progress import LiveTable, Progress
-    from elastic.sweep.runner import driver_resources, restore_tuner
-    from elastic.sweep.trial import trial_main
+    from elastic.sweep.runner import driver_resources, light_resources, restore_tuner
+    from elastic.sweep.trial import is_light, trial_main
 
     started = time.monotonic()
     experiment = experiment_uri(name, jobs)
     filesystem, experiment_path = pyarrow_filesystem(experiment)
     plans = prepare_plans(name, jobs, gpu_share, logical_gpus, say)
+    light = {j.name: is_light(j.job) for j in jobs}
     setup = {
         "sweep": name,
-        "packed": {j.name: {"job": j.job.model_dump(mode="json"), "plan": plans[j.name]["plan"]} for j in jobs},
+        "packed": {
+            j.name: {"job": j.job.model_dump(mode="json"), "plan": plans[j.name]["plan"], "light": light[j.name]}
+            for j in jobs
+        },
         "max_oom_retries": MAX_OOM_RETRIES,
     }
-    trainable = tune.with_resources(tune.with_parameters(trial_main, setup=setup), driver_resources(DRIVER_CPUS))
+    resources = {
+        j.name: light_resources(j.job, plans[j.name]["plan"]["share"])
+        if light[j.name]
+        else driver_resources(DRIVER_CPUS)
+        for j in jobs
+    }
+    trainable = tune.with_resources(
+        tune.with_parameters(trial_main, setup=setup), functools.partial(_resources_of, resources)
+    )
     space = {"job": tune.grid_search([j.name for j in jobs])}
     if tune.Tuner.can_restore(experiment_path, storage_filesystem=filesystem):
         say(f"restoring pack {name} from {experiment}")
@@ -165,7 +178,11 @@ def run_pack(
                 name=name,
                 storage_path=root_path,
                 storage_filesystem=root_fs,
-                failure_config=tune.FailureConfig(max_failures=MAX_FAILURES),
+                # A light job dies with its node when it is reclaimed: Tune's restart is its preemption budget too.
+                failure_config=tune.FailureConfig(
+                    max_failures=MAX_FAILURES
+                    + max((j.job.failure.max_preemptions for j in jobs if light[j.name]), default=0)
+                ),
                 callbacks=[Progress(label="pack"), LiveTable([j.name for j in jobs])],
                 verbose=0,
             ),
@@ -173,6 +190,11 @@ def run_pack(
     results = tuner.fit()
     errors = {r.config.get("job"): str(r.error).splitlines()[0][:200] for r in results if r.error is not None}
     return report(name, jobs, plans, errors, time.monotonic() - started)
+
+
+def _resources_of(resources: dict, config: dict):
+    """Each job's trial resources: a light job's trainable holds its worker's CPUs and GPU share."""
+    return resources[config["job"]]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from elastic.storage import parse_uri, pyarrow_filesystem
 from elastic.sweep.layout import PLAN_FILE, TRIAL_FILE, experiment_uri, read_json, train_root, write_json
 from elastic.sweep.ledger import end_sweep_ledger, start_sweep_ledger
 from elastic.sweep.progress import Progress, SchedulerState
-from elastic.sweep.trial import trial_main
+from elastic.sweep.trial import is_light, trial_main
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,22 @@ def driver_resources(cpus: float):
     return tune.PlacementGroupFactory([{"CPU": cpus}], bundle_label_selector=selector)
 
 
+def light_resources(job: JobSpec, share: float):
+    """A light trial's trainable holds what its one worker needs: the worker's CPUs and its GPU share, on a node
+    of the job's market (elastic.sweep.trial.is_light)."""
+    from ray import tune
+
+    return tune.PlacementGroupFactory(
+        [{"CPU": job.workers.cpus, "GPU": share}], bundle_label_selector=[worker_selector(job.workers.market)]
+    )
+
+
+def sweep_is_light(sweep: SweepSpec, job: JobSpec) -> bool:
+    """Light trials unless the sweep asks otherwise, the job has several workers or is spot-first, or the
+    space changes the workers (the trainable's resources are fixed before a trial's parameters are)."""
+    return sweep.light_trials and is_light(job) and not any(key.startswith("workers.") for key in sweep.space)
+
+
 def market_gpus(market: str) -> float:
     """GPUs on the worker nodes a job of this market may use (what its trials' workers can share)."""
     import ray
@@ -236,7 +252,10 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
         "plan": saved["plan"],
         "max_oom_retries": sweep.packing.max_oom_retries,
     }
-    trainable = tune.with_resources(tune.with_parameters(trial_main, setup=setup), driver_resources(sweep.driver_cpus))
+    light = sweep_is_light(sweep, job)
+    setup["light"] = light
+    resources = light_resources(job, saved["plan"]["share"]) if light else driver_resources(sweep.driver_cpus)
+    trainable = tune.with_resources(tune.with_parameters(trial_main, setup=setup), resources)
     concurrent = sweep.max_concurrent or packing.concurrency_cap(
         saved["plan"]["trials_per_gpu"], market_gpus(job.workers.market), job.workers.max_workers
     )
@@ -261,7 +280,10 @@ def run_sweep(sweep: SweepSpec, job: JobSpec, resume: bool = False, say: Callabl
                 name=sweep.name,
                 storage_path=root_path,
                 storage_filesystem=root_fs,
-                failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
+                # A light trial dies with its node when it is reclaimed: Tune's restart is its preemption budget too.
+                failure_config=tune.FailureConfig(
+                    max_failures=sweep.max_failures + (job.failure.max_preemptions if light else 0)
+                ),
                 # A trial's Tune checkpoints are pointers to its committed ones (elastic.sweep.tune_reports),
                 # a few hundred bytes each: all are kept, since PBT may clone one a few reports old.
                 callbacks=[Progress(), SchedulerState(trial_scheduler)],

@@ -9,11 +9,12 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from queue import Queue
 
 from elastic.checkpoint.store import CheckpointStore, run_directory
 from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import trial_job
-from elastic.driver.fitting import fit_run
+from elastic.driver.fitting import fit_in_process, fit_run
 from elastic.driver.run_ledger import end_run_ledger, start_run_ledger
 from elastic.errors import TrialOutOfMemory
 from elastic.placement import packing
@@ -32,13 +33,13 @@ def trial_main(config: dict, setup: dict) -> None:
     from ray import tune
 
     trial_id = tune.get_context().get_trial_id()
-    job, run_name, plan = trial_target(config, setup, trial_id)
+    job, run_name, plan, light = trial_target(config, setup, trial_id)
     run_uri = run_directory(job, run_name)
     started = time.time()
     ledger = start_run_ledger(run_uri, run_name, job, kind_of_run="trial")
     status, error = "FAILED", None
     try:
-        _run_trial(config, setup, trial_id, job, plan, run_name, run_uri, ledger)
+        _run_trial(config, setup, trial_id, job, plan, light, run_name, run_uri, ledger)
         status = "SUCCEEDED"
     except BaseException as err:  # recorded in the trial's ledger, then raised to Tune as before
         error = f"{type(err).__name__}: {err}"
@@ -47,15 +48,24 @@ def trial_main(config: dict, setup: dict) -> None:
         end_run_ledger(ledger, run_uri, started, status, error)
 
 
-def trial_target(config: dict, setup: dict, trial_id: str) -> tuple[JobSpec, str, dict]:
-    """What this trial fits: (job, run name, packing plan). A sweep's trial is the sweep's job with the trial's
-    parameters, run as `<sweep>-<trial id>`; a pack's (elastic.sweep.pack) is one of the packed jobs, chosen by
-    `config["job"]`, run as `<pack>-<job>` with that job's own plan."""
+def is_light(job: JobSpec) -> bool:
+    """A light trial trains in its Tune trainable's own process (no Train controller or worker group): one
+    worker, not spot-first (whose moves between markets need the driver's placements), and elastic's session
+    API (a Ray Train function's or a Trainer's own ray.train calls are refused inside a Tune trainable)."""
+    return job.workers.max_workers == 1 and job.workers.market != "spot-first" and job.api == "session"
+
+
+def trial_target(config: dict, setup: dict, trial_id: str) -> tuple[JobSpec, str, dict, bool]:
+    """What this trial fits: (job, run name, packing plan, light). A sweep's trial is the sweep's job with the
+    trial's parameters, run as `<sweep>-<trial id>`; a pack's (elastic.sweep.pack) is one of the packed jobs,
+    chosen by `config["job"]`, run as `<pack>-<job>` with that job's own plan. Light: the trainable holds the
+    worker's resources and trains in its own process."""
     packed = setup.get("packed")
     if packed is not None:
         entry = packed[config["job"]]
-        return JobSpec.model_validate(entry["job"]), f"{setup['sweep']}-{config['job']}", entry["plan"]
-    return _trial_spec(config, setup), f"{setup['sweep']}-{trial_id}", setup["plan"]
+        job = JobSpec.model_validate(entry["job"])
+        return job, f"{setup['sweep']}-{config['job']}", entry["plan"], bool(entry.get("light"))
+    return _trial_spec(config, setup), f"{setup['sweep']}-{trial_id}", setup["plan"], bool(setup.get("light"))
 
 
 def _trial_spec(config: dict, setup: dict) -> JobSpec:
@@ -65,7 +75,15 @@ def _trial_spec(config: dict, setup: dict) -> JobSpec:
 
 
 def _run_trial(
-    config: dict, setup: dict, trial_id: str, job: JobSpec, plan: dict, run_name: str, run_uri: str, ledger
+    config: dict,
+    setup: dict,
+    trial_id: str,
+    job: JobSpec,
+    plan: dict,
+    light: bool,
+    run_name: str,
+    run_uri: str,
+    ledger,
 ) -> None:
     record_uri = parse_uri(run_uri).child(TRIAL_FILE).uri
     record = read_json(record_uri) or {"run_name": run_name, "params": config, "attempts": [], "ooms": []}
@@ -75,7 +93,6 @@ def _run_trial(
     store = CheckpointStore(run_uri)
     fs, _ = fsspec_filesystem(run_uri)
     adopted = _adopt_what_pbt_cloned(record, run_name, store, config)
-    queue = tune_reports.open_queue()
     while True:
         latest = store.latest_committed()
         record["attempts"].append(
@@ -83,23 +100,29 @@ def _run_trial(
         )
         write_json(record_uri, record)
         fraction = packing.memory_cap(plan["memory_fraction"] * share / plan["share"])
-        sharing = TrialSharing(
-            share=share,
-            memory_fraction=fraction,
-            strategy=packing.rank_placement(job.workers.max_workers, share),
-            adopted_step=adopted,
-            tune_callback=tune_reports.CommitsToTune(queue),
-        )
         # workers.gpus = the share: spot-first's capacity checks count GPU shares too
         shared_job = job.model_copy(update={"workers": job.workers.model_copy(update={"gpus": share})})
+        strategy = packing.rank_placement(job.workers.max_workers, share)
+        if light and share == plan["share"]:
+            # Trains here, in the share this trainable holds; reports reach Tune through a plain queue.
+            queue = Queue()
+            sharing = TrialSharing(share=share, memory_fraction=fraction, strategy=strategy, adopted_step=adopted)
+            fit = functools.partial(fit_in_process, shared_job, run_name, sharing, _to(queue), ledger)
+        else:
+            # A worker group of its own (several workers, or a light trial retried at a bigger share than the
+            # one it holds); the Train controller's callback carries its reports through a queue actor.
+            queue = tune_reports.open_queue()
+            sharing = TrialSharing(
+                share=share,
+                memory_fraction=fraction,
+                strategy=strategy,
+                adopted_step=adopted,
+                tune_callback=tune_reports.CommitsToTune(queue),
+            )
+            fit = functools.partial(fit_run, shared_job, run_name, run_uri, [], sharing, ledger=ledger)
         failure: BaseException | None = None
         try:
-            tune_reports.fit_reporting_to_tune(
-                functools.partial(fit_run, shared_job, run_name, run_uri, [], sharing, ledger=ledger),
-                queue,
-                run_name,
-                run_uri,
-            )
+            tune_reports.fit_reporting_to_tune(fit, queue, run_name, run_uri)
         except Exception as err:  # the run's failure; an OOM marker decides whether it is retried
             failure = err
         record["attempts"][-1]["ended"] = time.time()
@@ -124,6 +147,11 @@ def _run_trial(
             oom.get("step"),
             share,
         )
+
+
+def _to(queue: Queue):
+    """A light trial's reports, as the Train controller's callback would queue them (tune_reports)."""
+    return lambda metrics, path: queue.put({"metrics": metrics, "checkpoint_path": path})
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,10 +16,11 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from queue import Empty  # also what ray.util.queue raises (a subclass): a light trial's queue is a plain one
 from typing import Any
 
 from ray.train.v2.api.callback import UserCallback
-from ray.util.queue import Empty, Queue
+from ray.util.queue import Queue
 
 POINTER_FILE = "elastic-checkpoint.json"
 

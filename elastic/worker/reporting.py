@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from elastic.checkpoint.checkpointer import SaveResult
 from elastic.checkpoint.store import CheckpointStore
+from elastic.worker import in_process
 
 
 class CommitReports:
@@ -147,5 +148,7 @@ def ray_report(*args, **kwargs) -> None:
     through the session (elastic.adapters.ray_train)."""
     import ray.train
 
+    if in_process.report_in_process(args[0] if args else kwargs["metrics"], kwargs.get("checkpoint")):
+        return  # a light trial: to Tune (Ray Train's report is refused inside a Tune trainable)
     report = getattr(ray.train.report, "elastic_original", ray.train.report)
     report(*args, **kwargs)

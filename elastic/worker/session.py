@@ -39,6 +39,7 @@ from elastic.worker.audit import NoLedger, SampleLedger, audit_enabled
 from elastic.worker.cadence import CheckpointCadence
 from elastic.worker.chaos import Chaos
 from elastic.worker.ending import PlacementEnding
+from elastic.worker.in_process import DrainNotices, in_process, train_context
 from elastic.worker.jit import read_ray_notice
 from elastic.worker.node import node_identity, worker_device
 from elastic.worker.optimizer_step import NonFiniteGuard, OptimizerStep, autocast, grad_scaler
@@ -79,18 +80,19 @@ class Session:
     """
 
     def __init__(self, spec: JobSpec, run_name: str, placement: dict | None = None):
-        import ray.train
 
         self.spec = spec
         self.config: dict[str, Any] = dict(spec.config)
         self.run_name = run_name
-        context = ray.train.get_context()
+        context = train_context()
         self.rank = context.get_world_rank()
         self.world_size = context.get_world_size()
         self.local_rank = context.get_local_rank()
         self.device = worker_device(self.local_rank)
         self.node_id, self.market = node_identity()
         self._storage = context.get_storage()
+        # A light trial trains in its Tune trainable's process: no worker group watches drains, this node's is read.
+        self.in_process = in_process()
         self.store = CheckpointStore(run_directory(spec, self._storage.experiment_dir_name))
         # Background saves run their collectives on a group of their own, apart from DDP's all-reduces.
         self._checkpoint_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -153,7 +155,7 @@ class Session:
         self._ending.watch_notices(
             spec.checkpoint,
             in_flight=lambda: self._saves.checkpointer.in_flight,
-            read_notice=self._chaos.notice_source(read_ray_notice),
+            read_notice=self._chaos.notice_source(DrainNotices(self.node_id) if self.in_process else read_ray_notice),
         )
         self._ledger = (
             SampleLedger(self.store.fs, self.store.root, self.rank, self.world_size, 0, attempt="")

@@ -108,7 +108,7 @@ def test_four_trials_share_one_gpu_at_once(stack):
     assert result["reached_concurrency"] == 4, result
     assert list(result["trials_per_gpu"].values()) == [4] and result["errors"] == 0
     # memory and start of our trials, measured as the floor's are (the floor itself: bench packing without --no-floor)
-    assert result["ours"]["ram_per_trial_mb"] > 0 and result["ours"]["start_seconds"] > 0, result["ours"]
+    assert result["ours"]["ram_per_trial_mb"] > 0 and result["ours"]["driver_to_worker_seconds"] > 0, result["ours"]
 
 
 def test_a_sweep_of_a_ray_train_function_runs_from_a_laptop_through_the_job_api(stack, monkeypatch):
@@ -394,6 +394,83 @@ def optimizer_lrs(store, step: int) -> set[float]:
     state = dict.fromkeys(keys, 0.0)
     dcp.load(state, storage_reader=FsspecReader(store.uri(step), **store.writer_options()), no_dist=True)
     return set(state.values())
+
+
+def test_a_light_trial_saves_just_in_time_when_its_node_is_reclaimed_and_resumes_there(stack, tmp_path):
+    """A one-worker trial trains in its Tune trainable's own process (a light trial: no Train controller or
+    worker group) on a spot node's GPU share. A noticed reclaim of that node: the trial reads the drain, saves a
+    just-in-time checkpoint before the deadline, dies with the node, and Tune restarts it on the replacement,
+    where it resumes from that checkpoint (the only one: periodic ones are off) and finishes."""
+    from elastic.checkpoint.store import CheckpointStore
+
+    name = f"light-{uuid.uuid4().hex[:6]}"
+    sweep = write_sweep(
+        tmp_path,
+        f"""
+name: {name}
+job: {DIGITS}
+overrides:
+  entrypoint: tests/integration/jobs/sweep_slow.py:train
+  workers: {{min: 1, max: 1, cpus: 0.25, market: spot}}
+  config: {{epochs: 3, step_delay: 0.25}}
+  checkpoint: {{every_steps: 100000}}
+space:
+  lr: {{grid: [0.05]}}
+metric: mean_loss
+mode: min
+gpu_share: 0.5
+""",
+    )
+    fs = storage(stack)
+    run = f"elastic/runs/{name}/train"
+    args = [sys.executable, "-m", "elastic", "sweep", str(sweep), "--json"]
+    driver = subprocess.Popen(
+        args, cwd=ROOT, env=stack["cli"].env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline, ranks = time.monotonic() + 180, None
+        while time.monotonic() < deadline and driver.poll() is None and not ranks:
+            found = fs.glob(f"{run}/*/gpus.json")
+            ranks = read(fs, found[0]) if found else None
+            time.sleep(1)
+        assert ranks, "the trial never started training"
+        time.sleep(5)  # a few steps in
+        node = ranks[0]["node"]
+        stack["cli"].run("preempt", "--node", node, "--notice", "15", "--replace-after", "5", check=True)
+        out, err = driver.communicate(timeout=420)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, err[-4000:]
+    [trial] = json.loads(out)["trials"]
+    assert trial["state"] == "TERMINATED" and trial["error"] is None, trial
+    resumed = [step for step in trial["resumed_from"] if step]
+    trial_run = fs.glob(f"{run}/*/gpus.json")[0].rsplit("/", 1)[0]
+    env = dict(os.environ)
+    os.environ.update(stack["env"])
+    try:
+        store = CheckpointStore(f"s3://{trial_run}")
+        reasons = {info.step: info.reason for info in store.list()}
+        jit = [step for step, reason in reasons.items() if reason == "just-in-time"]
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    assert jit and 0 < jit[0] < trial["step"], reasons  # saved before the node died, mid-run
+    events = read_ledger_of(stack, f"s3://{trial_run}")
+    assert any(e.kind == "restored" and e.step == jit[0] for e in events), events  # resumed from it
+    assert resumed == [] or resumed[-1] == jit[0], trial
+
+
+def read_ledger_of(stack, run_uri: str):
+    from elastic.ledger import read_ledger
+
+    env = dict(os.environ)
+    os.environ.update(stack["env"])
+    try:
+        return read_ledger(run_uri)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
 
 
 def test_pack_trains_three_jobs_at_once_through_an_oom_and_a_reclaim(stack):

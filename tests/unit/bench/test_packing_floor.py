@@ -10,12 +10,12 @@ from elastic.bench import packing_floor as floor
 
 
 def test_ratios_are_ours_over_plain_tune_and_none_where_unmeasured():
-    ours = {"ram_per_trial_mb": 1200.0, "start_seconds": 30.0}
-    assert floor.floor_ratios(ours, {"ram_per_trial_mb": 400.0, "start_seconds": 12.0}) == {
+    ours = {"ram_per_trial_mb": 1200.0, "driver_to_worker_seconds": 30.0}
+    assert floor.floor_ratios(ours, {"ram_per_trial_mb": 400.0, "driver_to_worker_seconds": 12.0}) == {
         "ram_per_trial_vs_plain_tune": 3.0,
         "start_vs_plain_tune": 2.5,
     }
-    assert floor.floor_ratios(ours, {"ram_per_trial_mb": None, "start_seconds": 0}) == {
+    assert floor.floor_ratios(ours, {"ram_per_trial_mb": None, "driver_to_worker_seconds": 0}) == {
         "ram_per_trial_vs_plain_tune": None,
         "start_vs_plain_tune": None,
     }

@@ -8,12 +8,17 @@ from types import SimpleNamespace
 from elastic.driver.gpu_sharing import RUN_URI_VARIABLE, RUN_VARIABLE, by_gpu, gpu_share, shared_workers
 
 
-def actor(run: str | None, node: str, resources: dict, cls: str = "RayTrainWorker", state: str = "ALIVE"):
+def actor(run: str | None, node: str, resources: dict, cls: str = "RayTrainWorker", state: str = "ALIVE", pid=1):
     env = {"env_vars": {"AWS_ACCESS_KEY_ID": "x"}}
     if run:
         env["env_vars"].update({RUN_VARIABLE: run, RUN_URI_VARIABLE: f"s3://b/runs/{run}"})
     return SimpleNamespace(
-        class_name=cls, state=state, node_id=node, required_resources=resources, serialized_runtime_env=json.dumps(env)
+        class_name=cls,
+        state=state,
+        node_id=node,
+        pid=pid,
+        required_resources=resources,
+        serialized_runtime_env=json.dumps(env),
     )
 
 
@@ -37,12 +42,16 @@ def test_only_alive_training_workers_on_a_gpu_share_of_a_named_run():
             node_id="n1",
             required_resources={"GPU": 0.25},
             serialized_runtime_env="not json",
+            pid=2,
         ),
+        actor(None, "n2", {"GPU_group_0_pg": 0.25, "CPU_group_0_pg": 0.05}, cls="ImplicitFunc", pid=77),
+        actor(None, "n2", {"CPU_group_0_pg": 0.05}, cls="ImplicitFunc"),  # a worker-group trial's driver
     ]
     found = shared_workers(actors)
     assert found == [
         {"run": "a", "run_uri": "s3://b/runs/a", "node": "n1", "share": 0.25},
         {"run": "b", "run_uri": "s3://b/runs/b", "node": "n1", "share": 0.5},
+        {"run": "light trial (pid 77)", "run_uri": None, "node": "n2", "share": 0.25},
     ]
 
 
