@@ -292,7 +292,9 @@ def bench_packing_cmd(
             if compare:
                 result = bench_packing.bench_compare(target, trials or 8, steps, width, batch, gpu_memory_gb, say)
             else:
-                result = bench_packing.bench_concurrency(target, share, trials, hold_s, cpus, say, market, with_floor)
+                result = bench_packing.bench_concurrency(
+                    target, share, trials, hold_s, cpus, say, market, with_floor, light
+                )
             sweeps.disconnect()
         return result
 
