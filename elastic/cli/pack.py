@@ -38,7 +38,7 @@ def _share(value: str) -> float | None:
     help="GPU fraction of each training worker, e.g. 0.25; auto probes each job on a whole GPU and sizes its "
     "share from its peak memory (CUDA only).",
 )
-@click.option("--name", help="Pack name (default: from the jobs' names; the same jobs again restore the pack).")
+@click.option("--name", help="Pack name (default: from the jobs and their settings; the same again restores the pack).")
 @click.option(
     "--set",
     "overrides",

@@ -79,8 +79,10 @@ def split_overrides(overrides: tuple[str, ...], names: list[str]) -> tuple[tuple
 
 
 def default_name(jobs: list[PackedJob]) -> str:
-    """The same jobs pack under the same name, so running the pack again restores it."""
-    digest = hashlib.sha256("\n".join(sorted(j.name for j in jobs)).encode()).hexdigest()[:6]
+    """The same jobs with the same settings pack under the same name, so running the pack again (after its
+    driver was lost) restores it; a changed setting is another pack."""
+    specs = sorted(j.job.model_dump_json() for j in jobs)
+    digest = hashlib.sha256("\n".join(specs).encode()).hexdigest()[:6]
     return f"pack-{digest}"
 
 

@@ -39,10 +39,12 @@ def test_bad_packs_are_one_line_each():
         pack.load_packed_jobs([], ())
 
 
-def test_the_same_jobs_pack_under_the_same_name_in_any_order():
+def test_the_same_jobs_and_settings_pack_under_the_same_name_in_any_order():
     a = pack.load_packed_jobs([DIGITS, CHARLM], ())
-    b = pack.load_packed_jobs([CHARLM, DIGITS], ("config.seed=1",))
+    b = pack.load_packed_jobs([CHARLM, DIGITS], ())
+    c = pack.load_packed_jobs([CHARLM, DIGITS], ("charlm:config.epochs=1",))
     assert pack.default_name(a) == pack.default_name(b) != pack.default_name(a[:1])
+    assert pack.default_name(c) != pack.default_name(a)  # another setting: another pack
     assert pack.run_name("pack-1", a[1]) == "pack-1-charlm"
     assert pack.experiment_uri("pack-1", a) == "s3://elastic/runs/pack-1"
 
