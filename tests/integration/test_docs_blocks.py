@@ -3,7 +3,7 @@ them: each `<!-- runnable -->` block in a fresh bash at the repository root, `.v
 one local stack made as the README's tour makes it (`elastic local up`), in page order; it must exit 0 and print
 every `<!-- expect: TEXT -->` line it states.
 
-Marked `docs`, so `make test` leaves them out (together they take as long as a third of the suite) and
+Marked `docs`, so `make test` leaves them out (to hold CI's time) and
 `make test-docs` runs them. The `<!-- runnable: stack -->` blocks start and stop stacks of their own (one is
 `make test` itself); `ELASTIC_DOCS_STACK_BLOCKS=1` runs those too, each after a `local down`, except the ones
 that run the test suite.
