@@ -98,6 +98,31 @@ def test_logical_gpus_run_the_gpu_path_on_cpu(stack):
     assert len(ranks) == 2 and len({node for _, node in ranks}) == 2, ranks
 
 
+def test_a_run_submitted_on_a_gpu_share_goes_on_at_a_doubled_share_after_running_out_of_memory(stack):
+    """`elastic submit` with workers.gpus 0.25: both ranks on a quarter of a spot GPU each (on different GPUs),
+    each capped at its share; an (injected) OOM after step 12 below 0.5: the driver goes on from the last
+    checkpoint at share 0.5 and the run finishes. The run ledger has both placements."""
+    from elastic.ledger.events import PlacementStarted
+
+    sets = [
+        "workers.gpus=0.25",
+        "workers.cpus=0.5",
+        "config.epochs=1",
+        "checkpoint.every_steps=5",
+        "runtime_env.env_vars.ELASTIC_INJECT_OOM=12:0.5",
+    ]
+    args = [arg for value in sets for arg in ("--set", value)]
+    proc = stack["cli"].run("submit", str(DIGITS), "--suffix", "share", *args, "--follow", timeout=600)
+    assert proc.returncode == 0 and "SUCCEEDED" in proc.stdout, proc.stdout[-4000:]
+    assert "out of memory at step 12 with GPU share 0.25" in proc.stdout
+    events = read_ledger_of(stack, "s3://elastic/runs/digits-ddp-share")
+    shares = [e.gpus_per_worker for e in events if isinstance(e, PlacementStarted)]
+    assert shares[0] == 0.25 and shares[-1] == 0.5, shares
+    restored = [e.step for e in events if e.kind == "restored"]
+    assert restored and restored[-1] in (5, 10), restored  # from a checkpoint before the OOM
+    assert "going on at GPU share 0.5" in proc.stdout
+
+
 def test_four_trials_share_one_gpu_at_once(stack):
     proc = stack["cli"].run(
         "bench", "packing", "--market", "on-demand", "--share", "0.25", "--no-floor", "--json", timeout=420
