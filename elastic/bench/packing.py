@@ -158,7 +158,8 @@ def bench_concurrency(
         f"{requested}"
     )
     started = time.time()
-    with floor.RayMemorySampler() as memory:
+    marker = floor.local_stack_marker()
+    with floor.RayMemorySampler(marker) as memory:
         result = run_sweep(sweep, job, say=say)
     ended = time.time()
     summary = summarize_concurrency(result, uri, name, share, gpus, trials, requested, started, ended)
@@ -171,7 +172,7 @@ def bench_concurrency(
     summary["ours"] = ours
     if with_floor:
         say(f"bench packing: the floor, {trials} plain Tune function trainable(s) at share {share}")
-        plain = floor.bench_plain_tune(uri, name, share, trials, requested, hold_s, cpus, market)
+        plain = floor.bench_plain_tune(uri, name, share, trials, requested, hold_s, cpus, market, marker)
         summary.update({"plain_tune": plain, **floor.floor_ratios(ours, plain)})
     return summary
 

@@ -5,8 +5,9 @@ a plain Ray Tune function trainable asking for the same CPU and GPU share on the
 Train controller or worker group. Both runs are measured the same way:
 
 - `ram_per_trial_mb`: the unique memory (USS) of the cluster's Ray worker processes at the moment most trials
-  are held, less what those processes held before the sweep, per trial. Read with psutil from this machine, so
-  only where the bench runs on the machine of the workers (the local stack); elsewhere it is None.
+  are held, less what those processes held before the sweep, per trial. Read with psutil from this machine, of
+  the processes that carry the local stack's marker (not another stack's on the same machine), so only on the
+  local stack; elsewhere it is None.
 - `driver_to_worker_seconds`: mean time from the sweep's fit() to each trial's training code holding at the
   barrier (a plain trainable's code is its own driver; ours starts a worker group unless the trial is light).
 """
@@ -19,6 +20,7 @@ from collections.abc import Callable
 
 import psutil
 
+from elastic.local.processes import MARKER_VARIABLE
 from elastic.placement.labels import worker_selector
 from elastic.storage import fsspec_filesystem, parse_uri
 
@@ -26,17 +28,18 @@ MB = 1024**2
 
 
 class RayMemorySampler:
-    """Peak summed USS of this machine's Ray worker processes (`ray::...`), sampled every `every` seconds in a
-    thread, and the same sum once before the run starts (the baseline)."""
+    """Peak summed USS of the local stack's Ray worker processes (`ray::...` carrying its `marker`), sampled every
+    `every` seconds in a thread, and the same sum once before the run starts (the baseline). Without a marker (a
+    remote cluster) it measures nothing."""
 
-    def __init__(self, every: float = 1.0):
-        self.every = every
+    def __init__(self, marker: str | None, every: float = 1.0):
+        self.marker, self.every = marker, every
         self.baseline = self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self):
-        self.baseline = self.peak = ray_workers_uss()
+        self.baseline = self.peak = ray_workers_uss(self.marker)
         self._thread.start()
         return self
 
@@ -46,20 +49,25 @@ class RayMemorySampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
-            self.peak = max(self.peak, ray_workers_uss())
+            self.peak = max(self.peak, ray_workers_uss(self.marker))
 
     def per_trial_mb(self, trials: int) -> float | None:
         return round((self.peak - self.baseline) / MB / trials, 1) if trials and self.peak > self.baseline else None
 
 
-def ray_workers_uss() -> int:
-    """Summed unique memory of the Ray worker processes on this machine (Tune trainables, Train controllers and
-    workers, Ray's helper actors and idle pool workers all show as `ray::...`)."""
+def ray_workers_uss(marker: str | None) -> int:
+    """Summed unique memory of one local stack's Ray worker processes (Tune trainables, Train controllers and
+    workers, Ray's helper actors and idle pool workers all show as `ray::...`; every process of the stack carries
+    its marker in its environment, elastic.local.processes)."""
+    if marker is None:
+        return 0
     total = 0
     for proc in psutil.process_iter(["name", "cmdline"]):
         try:
             cmdline = proc.info["cmdline"] or []
             if not (cmdline and cmdline[0].startswith("ray::")):
+                continue
+            if proc.environ().get(MARKER_VARIABLE) != marker:
                 continue
             total += proc.memory_full_info().uss
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -91,7 +99,15 @@ def plain_hold(config: dict) -> None:
 
 
 def bench_plain_tune(
-    uri: str, name: str, share: float, trials: int, requested: int, hold_s: float, cpus: float, market: str
+    uri: str,
+    name: str,
+    share: float,
+    trials: int,
+    requested: int,
+    hold_s: float,
+    cpus: float,
+    market: str,
+    marker: str | None,
 ) -> dict:
     """The same hold as plain Tune function trainables at the same share: when each started, and the memory."""
     from ray import tune
@@ -115,7 +131,7 @@ def bench_plain_tune(
         run_config=tune.RunConfig(name=f"{name}-plain", storage_path=root_path, storage_filesystem=root_fs, verbose=0),
     )
     started = time.time()
-    with RayMemorySampler() as memory:
+    with RayMemorySampler(marker) as memory:
         results = tuner.fit()
     arrivals = [r.metrics["arrived"] for r in results if r.metrics and "arrived" in r.metrics]
     return {
@@ -139,3 +155,15 @@ def floor_ratios(ours: dict, plain: dict) -> dict:
 
 def mean_of(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 2) if values else None
+
+
+def local_stack_marker() -> str | None:
+    """The marker of the local stack this process drives, or None (a remote cluster: memory is not measured)."""
+    import os
+
+    from elastic.local import stack as local
+
+    state = local.running_state()
+    if state is None or os.environ.get("RAY_ADDRESS") not in (None, "", state.ray_address):
+        return None
+    return state.marker

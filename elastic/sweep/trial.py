@@ -88,7 +88,10 @@ def _run_trial(
     record_uri = parse_uri(run_uri).child(TRIAL_FILE).uri
     record = read_json(record_uri) or {"run_name": run_name, "params": config, "attempts": [], "ooms": []}
     if record.get("finished"):
-        return  # finished before the sweep's driver died, after Tune last saved its state: nothing to redo
+        # Finished before the sweep's driver died (after Tune last saved its state), or PBT chose to clone into
+        # it at its very last report: nothing to redo, and no copy to make.
+        _release_pin(run_name)
+        return
     share = record["attempts"][-1]["share"] if record["attempts"] else plan["share"]
     store = CheckpointStore(run_uri)
     fs, _ = fsspec_filesystem(run_uri)
@@ -156,6 +159,15 @@ def _to(queue: Queue):
 
 # ---------------------------------------------------------------------------------------------------------
 # Tune
+
+
+def _release_pin(run_name: str) -> None:
+    """Unpin the checkpoint PBT restarted this trial with, if it is another trial's (elastic.sweep.pbt)."""
+    from ray import tune
+
+    found = tune_reports.read_pointer(tune.get_checkpoint())
+    if found is not None and found["run"] != run_name:
+        CheckpointStore(found["run_uri"]).unpin(run_name)
 
 
 def _adopt_what_pbt_cloned(record: dict, run_name: str, store: CheckpointStore, params: dict) -> int | None:
