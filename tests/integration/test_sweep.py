@@ -269,7 +269,7 @@ job: {DIGITS}
 overrides:
   entrypoint: tests/integration/jobs/sweep_slow.py:train
   workers: {{min: 1, max: 1, cpus: 0.25}}
-  config: {{epochs: 1, step_delay: 0.15}}
+  config: {{epochs: 1, step_delay: 0.4}}
   checkpoint: {{every_steps: 5}}
 space:
   lr: {{grid: [0.1, 0.00001, 0.05, 0.00002]}}
@@ -319,7 +319,8 @@ gpu_share: 0.25
     for run in finished:  # not redone: one attempt, started before the kill
         assert len(by_run[run]["resumed_from"]) == 1, by_run[run]
     for run, step in interrupted.items():  # restarted from the checkpoint it had when the driver died
-        if by_run[run]["state"] == "TERMINATED" or len(by_run[run]["resumed_from"]) > 1:
+        # (a light trial may finish its last steps in the moment before Ray reaps it: one attempt, not redone)
+        if len(by_run[run]["resumed_from"]) > 1:
             assert by_run[run]["resumed_from"][-1] >= step, (run, step, by_run[run])
     assert any(len(by_run[r]["resumed_from"]) > 1 and by_run[r]["resumed_from"][-1] >= 5 for r in interrupted)
     stopped = [t for t in result["trials"] if t["state"] == "STOPPED"]
@@ -455,6 +456,7 @@ gpu_share: 0.5
     try:
         deadline, ranks = time.monotonic() + 180, None
         while time.monotonic() < deadline and driver.poll() is None and not ranks:
+            fs.invalidate_cache()  # s3fs keeps listings: the first, before the trial started, would stay empty
             found = fs.glob(f"{run}/*/gpus.json")
             ranks = read(fs, found[0]) if found else None
             time.sleep(1)
@@ -470,6 +472,7 @@ gpu_share: 0.5
     [trial] = json.loads(out)["trials"]
     assert trial["state"] == "TERMINATED" and trial["error"] is None, trial
     resumed = [step for step in trial["resumed_from"] if step]
+    fs.invalidate_cache()
     trial_run = fs.glob(f"{run}/*/gpus.json")[0].rsplit("/", 1)[0]
     env = dict(os.environ)
     os.environ.update(stack["env"])
