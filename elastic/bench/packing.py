@@ -27,7 +27,7 @@ from elastic.config.spec import JobSpec
 from elastic.config.sweep_spec import SweepSpec
 from elastic.errors import ClusterError
 from elastic.placement import packing
-from elastic.storage import fsspec_filesystem, parse_uri
+from elastic.storage import parse_uri
 from elastic.sweep.layout import TRIAL_FILE, read_json
 from elastic.sweep.runner import market_gpus, run_sweep
 from elastic.worker.sharing import GPUS_FILE
@@ -43,24 +43,9 @@ def hold(session) -> None:
     """Register at the barrier, hold until every requested trial has arrived (or the timeout), report when."""
     import torch
 
-    cfg = session.config
     model = torch.nn.Linear(8, 8)
     session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    fs, root = fsspec_filesystem(cfg["barrier"])
-    arrived = time.time()
-    if session.is_chief:
-        fs.makedirs(root, exist_ok=True)
-        with fs.open(f"{root}/{session.run_name}", "w") as handle:
-            handle.write(str(arrived))
-    deadline = time.monotonic() + float(cfg["hold"])
-    count = 0
-    while time.monotonic() < deadline:
-        count = len(fs.ls(root, refresh=True)) if fs.exists(root) else 0
-        if count >= int(cfg["requested"]):
-            break
-        time.sleep(1.0)
-    time.sleep(float(cfg.get("linger", 3)))  # everyone released holds a moment longer: overlaps are unambiguous
-    session.finish({"arrived": arrived, "left": time.time(), "seen": count})
+    session.finish(floor.hold_at_barrier(session.config, session.run_name if session.is_chief else None))
 
 
 def train_small(session) -> None:

@@ -75,6 +75,27 @@ def ray_workers_uss(marker: str | None) -> int:
     return total
 
 
+def hold_at_barrier(cfg: dict, name: str | None) -> dict:
+    """Register `name` at the barrier (None: someone else of this trial does), hold until every requested trial
+    has arrived (or `hold` seconds pass), then a moment longer, so overlaps are unambiguous. Returns arrived,
+    left and how many were seen."""
+    fs, root = fsspec_filesystem(cfg["barrier"])
+    arrived = time.time()
+    if name is not None:
+        fs.makedirs(root, exist_ok=True)
+        with fs.open(f"{root}/{name}", "w") as handle:
+            handle.write(str(arrived))
+    deadline = time.monotonic() + float(cfg["hold"])
+    count = 0
+    while time.monotonic() < deadline:
+        count = len(fs.ls(root, refresh=True)) if fs.exists(root) else 0
+        if count >= int(cfg["requested"]):
+            break
+        time.sleep(1.0)
+    time.sleep(float(cfg.get("linger", 3)))
+    return {"arrived": arrived, "left": time.time(), "seen": count}
+
+
 def plain_hold(config: dict) -> None:
     """The floor's trial: a plain Tune function trainable doing what elastic.bench.packing.hold does."""
     import torch
@@ -82,20 +103,7 @@ def plain_hold(config: dict) -> None:
 
     model = torch.nn.Linear(8, 8)
     torch.optim.SGD(model.parameters(), lr=0.1)
-    fs, root = fsspec_filesystem(config["barrier"])
-    arrived = time.time()
-    fs.makedirs(root, exist_ok=True)
-    with fs.open(f"{root}/plain-{config['seed']}", "w") as handle:
-        handle.write(str(arrived))
-    deadline = time.monotonic() + float(config["hold"])
-    count = 0
-    while time.monotonic() < deadline:
-        count = len(fs.ls(root, refresh=True))
-        if count >= int(config["requested"]):
-            break
-        time.sleep(1.0)
-    time.sleep(float(config.get("linger", 3)))
-    tune.report({"arrived": arrived, "left": time.time(), "seen": count})
+    tune.report(hold_at_barrier(config, f"plain-{config['seed']}"))
 
 
 def bench_plain_tune(
