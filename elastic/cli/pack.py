@@ -86,7 +86,7 @@ def pack_cmd(
         logical = os.environ.get("ELASTIC_LOGICAL_GPUS") == "1"
         with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():  # Tune prints too
             result = pack.run_pack(name, jobs, share, logical, say)
-        runner.disconnect()
+            runner.disconnect()  # inside: Ray's background threads print warnings to stdout until then
     finish(result, as_json, _show_pack)
     if result["errors"]:
         sys.exit(1)

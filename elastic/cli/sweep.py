@@ -61,7 +61,7 @@ def sweep_cmd(
         say = (lambda m: click.echo(f"[sweep] {m}", err=True)) if as_json else (lambda m: click.echo(f"[sweep] {m}"))
         with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():  # Tune prints too
             result = sweeps.run_sweep(spec, job, resume=resume, say=say)
-        sweeps.disconnect()  # before printing: Ray's background threads print warnings to stdout until then
+            sweeps.disconnect()  # inside: Ray's background threads print warnings to stdout until then
     finish(result, as_json, _show_sweep)
     if result["errors"]:
         sys.exit(1)
