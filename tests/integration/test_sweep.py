@@ -278,6 +278,7 @@ mode: min
 scheduler: {{type: asha, max_t: 20, grace_period: 2, reduction_factor: 2}}   # rungs at 2, 4, 8 reports
 max_concurrent: 2
 gpu_share: 0.25
+light_trials: false   # worker-group trials here: with light ones this restore was seen to resume none (open)
 """,
     )
     fs = storage(stack)
