@@ -93,7 +93,10 @@ def status_cmd(run: str | None, address: str | None, gpus_only: bool, as_json: b
     target = submit.resolve_target(address)
     if gpus_only:
         shared = gpu_sharing.current(target)
-        print_json(shared) if as_json else _show_shared(shared)
+        if as_json:
+            print_json(shared)
+        else:
+            _show_shared(shared)
         return
     rows = submit.list_runs(target)
     if run:
