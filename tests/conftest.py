@@ -16,7 +16,7 @@ MODULE_SECONDS = {
     "test_submit_digits.py": 1325,
     "test_preemption_e2e.py": 1123,
     "test_sweep.py": 1100,
-    "test_cluster_rehearsal.py": 488,
+    "test_cluster_rehearsal.py": 300,
     "test_chaos_soak.py": 433,
     "test_local_lifecycle.py": 420,
     "test_spot_first.py": 284,
