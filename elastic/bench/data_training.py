@@ -6,6 +6,10 @@ DDP over gloo, one process per rank, on the same global batches in the same orde
 StreamingDataset and the session's ResumableLoader (the path a job takes, with the next window prefetched),
 and from the same rows held in memory as tensors, indexed by the same sampler. The ratio is the bucket loop's
 rows/s over the memory loop's: 1.0 means the loop never waited on the data path.
+
+The floor (elastic.bench.data_floor): the memory loop again, with the row groups its steps use fetched and
+decoded beside it, once between the node's ranks: the loop's pace when the bytes it needs must cross these
+same cores (on a small machine, shared with the S3 server). `train_vs_floor` is the bucket loop against it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ def bench_training(uri: str, ranks: int = 2, batch_size: int = 256, hidden: int 
         "train_memory_rows_per_s": round(raw["rows"] / raw["memory_s"]),
         "train_data_wait_share": round(raw["bucket_wait_s"] / raw["bucket_s"], 3),
         "train_vs_memory": round(raw["memory_s"] / raw["bucket_s"], 3),
+        "train_floor_rows_per_s": round(raw["rows"] / raw["floor_s"]),
+        "train_floor_vs_memory": round(raw["memory_s"] / raw["floor_s"], 3),
+        "train_vs_floor": round(raw["floor_s"] / raw["bucket_s"], 3),
     }
 
 
@@ -52,6 +59,7 @@ def _training_rank(
     import torch
     import torch.distributed as dist
 
+    from elastic.bench import data_floor
     from elastic.data import ResumableLoader, ResumableSampler, StreamingDataset
 
     torch.set_num_threads(1)  # one core a rank: the machine's cores are the ranks'
@@ -94,15 +102,29 @@ def _training_rank(
     slot = {index: k for k, index in enumerate(wanted)}
     x_all = torch.as_tensor(rows.columns["payload"])
     y_all = torch.as_tensor(rows.columns["label"])
-    memory_batches = ((x_all[[slot[i] for i in b]], y_all[[slot[i] for i in b]]) for b in indices)
-    memory_s = train(memory_batches)
+
+    def memory_batches():
+        return ((x_all[[slot[i] for i in b]], y_all[[slot[i] for i in b]]) for b in indices)
+
+    memory_s = train(memory_batches())
+
+    # The floor: the row groups of every rank's steps, this rank's share of them fetched and decoded beside it.
+    every_rank = [
+        i
+        for r in range(world)
+        for _, batch in zip(range(steps), ResumableSampler(len(dataset), batch_size, r, world, seed=0,
+                                                           order_source=dataset).pending())
+        for i in batch
+    ]  # fmt: skip
+    groups = data_floor.groups_of_rows(dataset.manifest, every_rank)[rank::world]
+    floor_s, _ = data_floor.beside(lambda: train(memory_batches()), uri, dataset.manifest, groups, ["payload", "label"])
 
     # Nothing fetched yet; the ranks of this node share the node cache, as a job's would with cache_limit set.
     fresh = StreamingDataset(uri, columns=["payload", "label"], verify=False, cache_limit="64GB")
     loader = ResumableLoader(fresh, ResumableSampler(len(fresh), batch_size, rank, world, seed=0, order_source=fresh))
     bucket_batches = ((batch["payload"], batch["label"]) for batch in loader)
     bucket_s = train(bucket_batches)
-    times = torch.tensor([memory_s, bucket_s, loader.take_wait_seconds()], dtype=torch.float64)
+    times = torch.tensor([memory_s, bucket_s, loader.take_wait_seconds(), floor_s], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     if rank == 0:
         result = {
@@ -110,6 +132,7 @@ def _training_rank(
             "memory_s": times[0].item(),
             "bucket_s": times[1].item(),
             "bucket_wait_s": times[2].item(),
+            "floor_s": times[3].item(),
         }
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
