@@ -517,7 +517,7 @@ def test_pack_trains_three_jobs_at_once_through_an_oom_and_a_reclaim(stack):
         # machine) and the reclaim's notice after it, so that all three are reclaimed mid-run.
         "digits-ddp:config.epochs=12",
         "charlm:config.epochs=6",
-        "digits-augment:config.epochs=5",
+        "digits-augment:config.epochs=10",  # and it outlasts its own retry's detection and the notice
         "digits-augment:checkpoint.every_steps=5",
         "digits-augment:runtime_env.env_vars.ELASTIC_INJECT_OOM=7:0.5",  # OOM after step 7 below a 0.5 share
     ]
@@ -558,10 +558,13 @@ def test_pack_trains_three_jobs_at_once_through_an_oom_and_a_reclaim(stack):
     by_job = {row["job"]: row for row in result["jobs"]}
     assert set(by_job) == set(jobs) and result["errors"] == 0, result
     assert result["peak_concurrent"] == 3, result
+    brief = {
+        j: {k: r[k] for k in ("state", "step", "preemptions", "restarts", "resumed_from")} for j, r in by_job.items()
+    }
     for row in by_job.values():
-        assert row["state"] == "TERMINATED", result
-        assert len(row["gpus"]) == 2 and len({g.split(":")[0] for g in row["gpus"]}) == 2, result  # distinct GPUs
-        assert row["preemptions"] == 1 and row["restarts"] >= 1 and row["resumed_from"], result  # resumed
+        assert row["state"] == "TERMINATED", brief
+        assert len(row["gpus"]) == 2 and len({g.split(":")[0] for g in row["gpus"]}) == 2, row  # distinct GPUs
+        assert row["preemptions"] == 1 and row["restarts"] >= 1 and row["resumed_from"], brief  # resumed
     assert by_job["digits-augment"]["ooms"] == 1 and by_job["digits-augment"]["share"] == 0.5
     assert by_job["digits-augment"]["resumed_from"][0] >= 5  # the OOM retry resumed from a checkpoint
     for job in ("digits-ddp", "charlm"):
