@@ -222,9 +222,11 @@ class StreamingDataset(Dataset):
         return pending.result()
 
     def _prefetch_after(self, window: int) -> None:
-        """Under the lock: start fetching the windows after `window`, and forget the row groups of windows
-        before the previous one (a batch may straddle two windows)."""
-        for w in range(window + 1, min(window + 1 + self.prefetch, self._order.windows())):
+        """Under the lock: start fetching the rest of `window` and the windows after it, and forget the row
+        groups of windows before the previous one (a batch may straddle two windows). The rest of `window` too:
+        a batch draws from every row group of its window, so asked for one by one they would arrive one
+        after the other (seen: the first window took most of a short epoch, its groups fetched serially)."""
+        for w in range(window, min(window + 1 + self.prefetch, self._order.windows())):
             for g in self._order.window_groups(w).tolist():
                 if g not in self._loads:
                     self._loads[g] = self._pool.submit(self._read, g)
