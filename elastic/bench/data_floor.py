@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elastic.data.manifest import Manifest
+from elastic.data.streaming import DecodedColumn
 from elastic.storage import fsspec_filesystem
 
 T = TypeVar("T")
@@ -59,7 +59,7 @@ def fetch_decode(
             parquet = pq.ParquetFile(handle, pre_buffer=True, metadata=footers[file_index])
             table = parquet.read_row_group(row_group, columns=columns)
         for column in table.columns:
-            _to_numpy(column.combine_chunks())
+            DecodedColumn(column.combine_chunks())  # what the reader makes of each column, and no more
         meta = footers[file_index].row_group(row_group)
         fetched = sum(meta.column(i).total_compressed_size for i in range(meta.num_columns))
         return fetched, table.num_rows
@@ -84,11 +84,3 @@ def beside(work: Callable[[], T], uri: str, manifest: Manifest, groups, columns:
     finally:
         reader.join()
     return result, floor
-
-
-def _to_numpy(array: pa.Array) -> np.ndarray:
-    """What the reader makes of a column (elastic.data.streaming._Column): numbers and fixed-size lists of
-    numbers as numpy arrays, anything else as Python objects."""
-    if pa.types.is_fixed_size_list(array.type):
-        return array.flatten().to_numpy(zero_copy_only=False).reshape(len(array), array.type.list_size)
-    return array.to_numpy(zero_copy_only=False)

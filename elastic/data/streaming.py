@@ -53,7 +53,7 @@ class EpochRows:
         return self._group_starts[groups] + rows
 
 
-class _Column:
+class DecodedColumn:
     """A decoded column of one row group, converted once: numeric values and fixed-size numeric lists as numpy
     arrays (rows taken by fancy indexing), anything else through pyarrow, row by row."""
 
@@ -204,7 +204,7 @@ class StreamingDataset(Dataset):
 
     # --- row groups: fetched once, ahead of need
 
-    def _row_group(self, group: int) -> dict[str, _Column]:
+    def _row_group(self, group: int) -> dict[str, DecodedColumn]:
         if self._pid != os.getpid():  # forked into a DataLoader worker: open our own handles
             self._reset_process_state()
         with self._lock:
@@ -233,7 +233,7 @@ class StreamingDataset(Dataset):
         for g in [g for g in self._loads if self._window_of_group[g] < window - 1]:
             del self._loads[g]
 
-    def _read(self, group: int) -> dict[str, _Column]:
+    def _read(self, group: int) -> dict[str, DecodedColumn]:
         """Row group `group`, decoded; a transient storage error (a 503, a reset connection) is retried with
         backoff, a missing or changed file is one line naming it."""
         file_index, row_group = self._groups[group]
@@ -254,14 +254,14 @@ class StreamingDataset(Dataset):
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
-    def _fetch(self, file_index: int, row_group: int) -> dict[str, _Column]:
+    def _fetch(self, file_index: int, row_group: int) -> dict[str, DecodedColumn]:
         entry = self.manifest.files[file_index]
         if self._cache is None:
             table = self._fetch_table(entry, row_group)
         else:
             key = f"{file_index}-{row_group}-{'.'.join(self.columns or ['all'])}"
             table = self._cache.get(key, lambda: self._fetch_table(entry, row_group))
-        return {name: _Column(table.column(name).combine_chunks()) for name in table.column_names}
+        return {name: DecodedColumn(table.column(name).combine_chunks()) for name in table.column_names}
 
     def _fetch_table(self, entry: manifests.FileEntry, row_group: int) -> pa.Table:
         fs, root = fsspec_filesystem(self.uri)
