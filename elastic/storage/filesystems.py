@@ -118,8 +118,9 @@ def fsspec_filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
 
 
 def pyarrow_filesystem(uri: str):
-    """A pyarrow filesystem and path for Ray Train's RunConfig(storage_filesystem=..., storage_path=...)."""
-    # pyarrow only for Ray Train's storage: the CLI's storage checks should start fast.
+    """A pyarrow filesystem and path: for Ray Train's RunConfig(storage_filesystem=..., storage_path=...) and
+    the streaming reader's row-group reads (for S3, pyarrow's C++ client, which reads outside the GIL)."""
+    # Imported here: the CLI's storage checks should start fast.
     import pyarrow.fs as pafs
 
     location = parse_uri(uri)

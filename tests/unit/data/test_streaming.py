@@ -202,6 +202,12 @@ def test_a_transient_storage_error_is_retried_and_a_missing_shard_is_one_line(da
     with pytest.raises(DatasetError, match="is missing; restore it or rebuild the manifest"):
         fresh[ROWS - 1]
 
+    # A shard rewritten with other rows after the manifest (its size differs) is refused when it is opened,
+    # rather than read as if it were the file the manifest describes.
+    other = dataset_dir / fresh.manifest.files[0].path
+    pq.write_table(pa.table({"x": [[0.0] * 16], "y": [0], "i": [0]}), other)
+    with pytest.raises(DatasetError, match=f"{fresh.manifest.files[0].path} changed since the manifest was written"):
+        fresh[0]
 
 def test_the_ranks_of_a_node_fetch_each_row_group_once_through_the_disk_cache(dataset_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("ELASTIC_DATA_CACHE", str(tmp_path / "cache"))
