@@ -209,6 +209,7 @@ def test_a_transient_storage_error_is_retried_and_a_missing_shard_is_one_line(da
     with pytest.raises(DatasetError, match=f"{fresh.manifest.files[0].path} changed since the manifest was written"):
         fresh[0]
 
+
 def test_the_ranks_of_a_node_fetch_each_row_group_once_through_the_disk_cache(dataset_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("ELASTIC_DATA_CACHE", str(tmp_path / "cache"))
     ranks = [StreamingDataset(str(dataset_dir), shuffle_window=4, cache_limit="1GB") for _ in range(2)]
