@@ -180,11 +180,14 @@ class StreamingDataset(Dataset):
         groups = np.searchsorted(self._group_starts, ids, side="right") - 1
         rows = ids - self._group_starts[groups]
         gathered: dict[str, Any] = {}
-        by_group = np.argsort(groups, kind="stable")  # the batch's rows, grouped by row group
-        cuts = np.flatnonzero(np.diff(groups[by_group])) + 1
-        for where in np.split(by_group, cuts) if len(ids) else []:
-            group = int(groups[where[0]])
-            for name, column in self._row_group(group).items():
+        # The batch's rows grouped by row group (a shuffled batch draws from every group of its window): one
+        # take per group and column, and the groups asked for under one lock, not one lock a group.
+        unique, inverse = np.unique(groups, return_inverse=True)
+        by_group = np.argsort(inverse, kind="stable")
+        bounds = np.searchsorted(inverse[by_group], np.arange(len(unique) + 1))
+        for k, decoded in enumerate(self._row_groups(unique.tolist())):
+            where = by_group[bounds[k] : bounds[k + 1]]
+            for name, column in decoded.items():
                 values = column.take(rows[where])
                 if name not in gathered:
                     gathered[name] = (
@@ -205,22 +208,26 @@ class StreamingDataset(Dataset):
 
     # --- row groups: fetched once, ahead of need
 
-    def _row_group(self, group: int) -> dict[str, DecodedColumn]:
+    def _row_groups(self, groups: list[int]) -> list[dict[str, DecodedColumn]]:
+        """Row groups `groups`, decoded (fetched now if no prefetch asked for them yet), in that order."""
         if self._pid != os.getpid():  # forked into a DataLoader worker: open our own handles
             self._reset_process_state()
+        pending = []
         with self._lock:
-            pending = self._loads.get(group)
-            if pending is None:
-                pending = self._loads[group] = self._pool.submit(self._read, group)
-            self._loads.move_to_end(group)
-            if self._order is None:  # no epoch order asked for (plain indexing): keep the last few row groups
-                while len(self._loads) > 2 * self.shuffle_window:
-                    self._loads.popitem(last=False)
-            elif (window := int(self._window_of_group[group])) > self._prefetched_window:
-                # Once a window, not once a row group: a batch touches every row group of its window.
-                self._prefetch_after(window)
-                self._prefetched_window = window
-        return pending.result()
+            for group in groups:
+                load = self._loads.get(group)
+                if load is None:
+                    load = self._loads[group] = self._pool.submit(self._read, group)
+                self._loads.move_to_end(group)
+                pending.append(load)
+                if self._order is None:  # no epoch order asked for (plain indexing): keep the last few row groups
+                    while len(self._loads) > 2 * self.shuffle_window:
+                        self._loads.popitem(last=False)
+                elif (window := int(self._window_of_group[group])) > self._prefetched_window:
+                    # Once a window, not once a row group: a batch touches every row group of its window.
+                    self._prefetch_after(window)
+                    self._prefetched_window = window
+        return [load.result() for load in pending]
 
     def _prefetch_after(self, window: int) -> None:
         """Under the lock: start fetching the rest of `window` and the windows after it, and forget the row
