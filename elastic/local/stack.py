@@ -87,6 +87,13 @@ _log = logging.getLogger(__name__)
 # up
 
 METRICS_REPORT_MS = 2000
+# Every simulated node runs Ray's per-node daemons, and here they all share one machine's cores with the runs:
+# each node's dashboard agent walks the processes of the machine every 5 s for its node stats, and the head's
+# autoscaler monitor recomputes the cluster's status every 5 s for an autoscaler the local stack does not have.
+# In a CI run of the test suite (two stacks of 4-7 nodes at once on 2 cores), the agents took 13% of all CPU and
+# the monitors 8%: slowed to every 15 s here (node stats and `ray status` up to 15 s old; the runs' own metrics
+# keep METRICS_REPORT_MS).
+QUIETER_NODE_DAEMONS = {"REPORTER_UPDATE_INTERVAL_MS": "15000", "AUTOSCALER_UPDATE_INTERVAL_S": "15"}
 # `ray start` gives a raylet a fixed 30 s to register; under load it can miss it, and a second start usually joins.
 # On a saturated machine (a CI run at a load of ~18 on 2 cores) three starts in a row were seen to miss it.
 NODE_START_ATTEMPTS = 5
@@ -258,7 +265,7 @@ def _start_node(ray_bin: str, node: NodePlan, state: LocalState, env: dict, logs
         args += [f"--address={state.ray_address}", f"--temp-dir={node_temp}"]
     # Ray's processes export metrics every 10 s by default; a local run lives seconds, and a worker's series
     # would often leave with it unseen. Every 2 s here (Ray's floor is 1 s), what a test's Prometheus scrapes.
-    env = {**env, "RAY_metrics_report_interval_ms": str(METRICS_REPORT_MS)}
+    env = {**env, "RAY_metrics_report_interval_ms": str(METRICS_REPORT_MS), **QUIETER_NODE_DAEMONS}
     return processes.launch(args, node.name, state.marker, env, logs / f"{node.name}.log")
 
 
