@@ -11,8 +11,8 @@ grows with K; the benchmark measures it.
 
 Memory: the permutations are keyed (elastic.data.order), so the state is the row count of each group and
 their prefix sums in permuted order: 16 bytes a row group (1.6 MB for 1e5 groups of 1e4 rows = 1e9 rows),
-plus the row order of the window being read (8 bytes a row of one window, computed when the window is first
-asked for), nothing per row of the dataset. Seeking to any position is a binary search.
+plus the row order of the window being read (8 bytes a row of one window of up to 4M rows, computed when the
+window is first asked for), nothing per row of the dataset. Seeking to any position is a binary search.
 """
 
 from __future__ import annotations
@@ -103,9 +103,12 @@ class BlockShuffleOrder:
             first, last = self.window_bounds(window)
             window_start, window_stop = int(self.starts[first]), int(self.starts[last])
             end = min(stop, window_stop)
-            if self.shuffle:
+            if self.shuffle and window_stop - window_start <= WINDOW_CACHE_MAX_ROWS:
                 offsets = self._window_permutation(window, window_stop - window_start)
                 offsets = offsets[position - window_start : end - window_start]
+            elif self.shuffle:  # a window of huge row groups: the positions asked for only
+                perm = KeyedPermutation(window_stop - window_start, round_keys(_seed(*self._key, window), "rows"))
+                offsets = perm.at(np.arange(position - window_start, end - window_start, dtype=np.int64))
             else:
                 offsets = np.arange(position - window_start, end - window_start, dtype=np.int64)
             # Offsets within the window -> (j-th group of the sequence, row within that group).
@@ -132,6 +135,9 @@ class BlockShuffleOrder:
 
 
 WINDOW_CHUNK_ROWS = 1 << 16
+# A window's row order is kept whole up to this many rows (32 MB); a larger one (row groups of millions of rows)
+# is computed for the positions asked for, as the order's memory must not grow with the rows of a group.
+WINDOW_CACHE_MAX_ROWS = 1 << 22
 
 
 def _seed(seed: int, epoch: int, window: int) -> int:

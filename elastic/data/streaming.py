@@ -32,6 +32,7 @@ from elastic.data import manifest as manifests
 from elastic.data.block_order import BlockShuffleOrder
 from elastic.data.cache import RowGroupCache, parse_size
 from elastic.data.parquet import _column_reader, _is_numeric
+from elastic.data.windows import WindowBuffer, WindowLayout
 from elastic.storage import pyarrow_filesystem
 
 _log = logging.getLogger(__name__)
@@ -59,21 +60,25 @@ class DecodedColumn:
     arrays (rows taken by fancy indexing), anything else through pyarrow, row by row."""
 
     def __init__(self, array: pa.Array):
-        self._values: np.ndarray | None = None
-        self._array = array
+        self.values: np.ndarray | None = None  # the rows as one numpy array, or None: read through pyarrow
         if array.null_count == 0 and _is_numeric(array.type):
-            self._values = array.to_numpy(zero_copy_only=False)
+            self.values = array.to_numpy(zero_copy_only=False)
         elif pa.types.is_fixed_size_list(array.type) and _is_numeric(array.type.value_type):
             flat = array.flatten()
             if array.null_count == 0 and flat.null_count == 0:
                 width = array.type.list_size
-                self._values = flat.to_numpy(zero_copy_only=False).reshape(len(array), width)
-        if self._values is None:
+                self.values = flat.to_numpy(zero_copy_only=False).reshape(len(array), width)
+        if self.values is None:
             self._read = _column_reader(array)
 
+    def adopt(self, values: np.ndarray) -> None:
+        """Hold the rows as `values` (a copy of them in a window buffer) and let the decoded ones go."""
+        values.flags.writeable = False
+        self.values = values
+
     def take(self, rows: np.ndarray) -> Sequence[Any]:
-        if self._values is not None:
-            return self._values[rows]  # a copy (fancy indexing): writable, though the decoded column is not
+        if self.values is not None:
+            return self.values[rows]  # a copy (fancy indexing): writable, though the decoded column is not
         return [self._read(int(r)) for r in rows]
 
 
@@ -154,11 +159,10 @@ class StreamingDataset(Dataset):
 
     def epoch_order(self, seed: int, epoch: int, shuffle: bool = True) -> EpochRows:
         order = BlockShuffleOrder(self._row_counts, seed, epoch, self.shuffle_window, shuffle=shuffle)
+        layout = WindowLayout(order)
         with self._lock:
-            self._order = order
-            sequence_index = np.empty(len(order.group_sequence), dtype=np.int64)
-            sequence_index[order.group_sequence] = np.arange(len(order.group_sequence))
-            self._window_of_group = np.minimum(sequence_index // order.window, order.windows() - 1)
+            self._order, self._layout = order, layout
+            self._window_of_group = layout.window_of_group
             self._prefetched_window = -1
         return EpochRows(order, self._group_starts)
 
@@ -180,20 +184,39 @@ class StreamingDataset(Dataset):
         groups = np.searchsorted(self._group_starts, ids, side="right") - 1
         rows = ids - self._group_starts[groups]
         gathered: dict[str, Any] = {}
-        # The batch's rows grouped by row group (a shuffled batch draws from every group of its window): one
-        # take per group and column, and the groups asked for under one lock, not one lock a group.
+        if self._pid != os.getpid():  # forked into a DataLoader worker: our own handles, lock and buffers
+            self._reset_process_state()
+        layout = self._layout
+        if layout is not None and layout.order.shuffle and ids.size:
+            # A shuffled batch draws from every group of its window: its numeric columns come from the
+            # window's buffers (elastic.data.windows), one fancy index per column; the others group by group.
+            gathered, names = layout.gather(groups, rows, lambda ws: self._window_buffers(layout, ws), self._row_groups)
+            if len(gathered) < len(names):
+                self._gather_groups(groups, rows, gathered, skip=set(gathered))
+                gathered = {name: gathered[name] for name in names}  # the columns' order, as without buffers
+        else:
+            self._gather_groups(groups, rows, gathered)
+        batch = ColumnarRows(gathered, len(ids))
+        if self.transform is None:
+            return batch
+        return [self.transform(row) for row in batch]
+
+    def _gather_groups(self, groups: np.ndarray, rows: np.ndarray, gathered: dict[str, Any], skip=()) -> None:
+        """Columns (but `skip`) of the rows into `gathered`: a take per group and column, the groups under one lock."""
         unique, inverse = np.unique(groups, return_inverse=True)
         by_group = np.argsort(inverse, kind="stable")
         bounds = np.searchsorted(inverse[by_group], np.arange(len(unique) + 1))
         for k, decoded in enumerate(self._row_groups(unique.tolist())):
             where = by_group[bounds[k] : bounds[k + 1]]
             for name, column in decoded.items():
+                if name in skip:
+                    continue
                 values = column.take(rows[where])
                 if name not in gathered:
                     gathered[name] = (
-                        np.empty((len(ids), *values.shape[1:]), dtype=values.dtype)
+                        np.empty((len(groups), *values.shape[1:]), dtype=values.dtype)
                         if isinstance(values, np.ndarray)
-                        else [None] * len(ids)
+                        else [None] * len(groups)
                     )
                 target = gathered[name]
                 if isinstance(target, np.ndarray):
@@ -201,17 +224,19 @@ class StreamingDataset(Dataset):
                 else:
                     for slot, value in zip(where.tolist(), values):
                         target[slot] = value
-        batch = ColumnarRows(gathered, len(ids))
-        if self.transform is None:
-            return batch
-        return [self.transform(row) for row in batch]
 
     # --- row groups: fetched once, ahead of need
 
+    def _window_buffers(self, layout: WindowLayout, windows: list[int]) -> list[WindowBuffer]:
+        """The buffers of `windows` (made if needed), the windows after the last started ahead."""
+        with self._lock:
+            if layout is self._layout and windows[-1] > self._prefetched_window:
+                self._prefetch_after(windows[-1])
+                self._prefetched_window = windows[-1]
+            return [layout.buffer(w) for w in windows]
+
     def _row_groups(self, groups: list[int]) -> list[dict[str, DecodedColumn]]:
         """Row groups `groups`, decoded (fetched now if no prefetch asked for them yet), in that order."""
-        if self._pid != os.getpid():  # forked into a DataLoader worker: open our own handles
-            self._reset_process_state()
         pending = []
         with self._lock:
             for group in groups:
@@ -240,6 +265,7 @@ class StreamingDataset(Dataset):
                     self._loads[g] = self._pool.submit(self._read, g)
         for g in [g for g in self._loads if self._window_of_group[g] < window - 1]:
             del self._loads[g]
+        self._layout.forget_before(window - 1)  # their buffers with them
 
     def _read(self, group: int) -> dict[str, DecodedColumn]:
         """Row group `group`, decoded; a transient storage error (a 503, a reset connection) is retried with
@@ -248,7 +274,7 @@ class StreamingDataset(Dataset):
         entry = self.manifest.files[file_index]
         for attempt in range(READ_RETRIES + 1):
             try:
-                return self._fetch(file_index, row_group)
+                decoded = self._fetch(file_index, row_group)
             except FileNotFoundError:
                 raise manifests.DatasetError(
                     f"{self.uri}: {entry.path} is missing; restore it or rebuild the manifest with "
@@ -260,7 +286,22 @@ class StreamingDataset(Dataset):
                 delay = READ_BACKOFF_SECONDS * 2**attempt
                 _log.warning(f"reading {entry.path} row group {row_group} failed ({err}); retrying in {delay:g} s")
                 time.sleep(delay)
+                continue
+            self._buffer_group(group, decoded)
+            return decoded
         raise AssertionError("unreachable")
+
+    def _buffer_group(self, group: int, decoded: dict[str, DecodedColumn]) -> None:
+        """Copy a decoded group into its window's buffer here, on the I/O thread, not on the training loop's
+        (a shuffled order's windows from the one read on: not an old window a row was asked of once)."""
+        layout = self._layout
+        if layout is not None and layout.order.shuffle:
+            window = int(layout.window_of_group[group])
+            with self._lock:
+                wanted = layout is self._layout and window >= self._prefetched_window - 1
+                buffer = layout.buffer(window) if wanted else None
+            if buffer is not None:
+                buffer.fill(layout.slot_of(group), decoded)
 
     def _fetch(self, file_index: int, row_group: int) -> dict[str, DecodedColumn]:
         entry = self.manifest.files[file_index]
@@ -331,6 +372,7 @@ class StreamingDataset(Dataset):
         self._root = ""
         self._files: OrderedDict[str, tuple[pa.NativeFile, pq.FileMetaData]] = OrderedDict()
         self._order: BlockShuffleOrder | None = None
+        self._layout: WindowLayout | None = None  # the order's window buffers (shuffled orders only)
         self._window_of_group = np.empty(0, dtype=np.int64)  # the epoch order's window of each row group
         self._prefetched_window = -1  # the windows after this one are being fetched
 
@@ -342,6 +384,7 @@ class StreamingDataset(Dataset):
             "_pool",
             "_loads",
             "_order",
+            "_layout",
             "_window_of_group",
             "_prefetched_window",
             "bytes_fetched",

@@ -271,3 +271,64 @@ def test_an_empty_batch_is_empty_with_or_without_a_transform(dataset_dir):
     assert [int(row["i"]) for row in rows] == [0, 1] and rows[-1]["i"] == 1
     with pytest.raises(IndexError):
         rows[2]
+
+
+def _same_column(got, want):
+    assert type(got) is type(want)
+    if isinstance(want, np.ndarray):
+        # equal_nan: a null among a float column's numeric row groups is a NaN, with or without buffers
+        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want, equal_nan=True)
+    else:
+        assert got == want
+
+
+def test_a_shuffled_batch_comes_from_window_buffers_exactly_as_plain_indexing_gives_it(tmp_path):
+    """A shuffled order's batches gather numeric columns from their windows' buffers (elastic.data.windows):
+    the same values, dtypes and column order as plain indexing, within a window, straddling two, and with
+    columns a buffer cannot hold (strings; nulls in one row group) gathered group by group beside them."""
+    n = 400
+    table = pa.table(
+        {
+            "i": np.arange(n, dtype=np.int64),
+            "x": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(4 * n, dtype=np.float32)), 4),
+            "name": [f"row-{k}" for k in range(n)],
+            "maybe": [None if k == 130 else float(k) for k in range(n)],  # nulls in one row group only
+        }
+    )
+    pq.write_table(table, tmp_path / "rows.parquet", row_group_size=25)
+    index(str(tmp_path))
+    plain = StreamingDataset(str(tmp_path), shuffle_window=3)
+    shuffled = StreamingDataset(str(tmp_path), shuffle_window=3)
+    rows = shuffled.epoch_order(0, 0)
+    boundary = int(rows.order.starts[3])  # the first position of window 1
+    for start, stop in [(0, 40), (boundary - 20, boundary + 20), (150, 151), (0, n)]:
+        ids = rows.slice(start, stop).tolist()
+        got, want = shuffled.__getitems__(ids), plain.__getitems__(ids)
+        assert list(got.columns) == list(want.columns) == ["i", "x", "name", "maybe"]
+        assert got.columns["i"].tolist() == ids
+        for name in want.columns:
+            _same_column(got.columns[name], want.columns[name])
+    buffers = shuffled._layout.buffers
+    assert buffers and all(
+        set(b.columns) <= {"i", "x", "maybe"} and {"i", "x"} <= set(b.columns) for b in buffers.values()
+    )
+    assert "maybe" not in buffers[int(shuffled._window_of_group[5])].columns  # row group 5 holds the null
+    sequential = StreamingDataset(str(tmp_path), shuffle_window=3)
+    sequential.epoch_order(0, 0, shuffle=False)
+    _same_column(
+        sequential.__getitems__(list(range(20, 60))).columns["x"], plain.__getitems__(list(range(20, 60))).columns["x"]
+    )
+    assert sequential._layout.buffers == {}  # a sequential batch reads one or two groups: no buffers
+
+
+def test_a_window_buffer_holds_its_row_groups_rows_once_and_goes_with_them(dataset_dir):
+    dataset = StreamingDataset(str(dataset_dir), shuffle_window=2, prefetch=1)
+    rows = dataset.epoch_order(0, 0)
+    dataset.__getitems__(rows.slice(0, 60).tolist())
+    buffer = dataset._layout.buffers[0]
+    assert buffer.complete and set(buffer.columns) == {"x", "y", "i"}
+    for group in rows.order.window_groups(0).tolist():
+        assert dataset._loads[group].result()["x"].values.base is buffer.columns["x"]  # a view, not a copy
+    late = int(rows.order.starts[4 * 2])  # a position in window 4
+    dataset.__getitems__(rows.slice(late, late + 1).tolist())
+    assert min(dataset._layout.buffers) >= 3  # windows 0-2's buffers are let go with their row groups
