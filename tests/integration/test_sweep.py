@@ -85,24 +85,16 @@ def read(fs, path: str):
         return json.load(handle)
 
 
-def test_logical_gpus_run_the_gpu_path_on_cpu(stack):
-    """--gpus-per-node declares logical GPUs: a job asking for GPUs is scheduled by them (two ranks on the two
-    spot nodes, one logical GPU each) and trains on the CPU over gloo."""
-    assert [n["gpus"] for n in stack["nodes"] if n["role"] == "worker"] == [1, 1, 1]
-    one_gpu_each = ("--set", "workers.gpus=1", "--set", "workers.cpus=0.5", "--set", "config.epochs=1")
-    proc = stack["cli"].run(
-        "submit", str(DIGITS), "--suffix", "gpu", *one_gpu_each, "--follow", check=True, timeout=600
-    )
-    assert "SUCCEEDED" in proc.stdout
-    ranks = {(m[1], m[2]) for m in WORKER_LINE.finditer(proc.stdout)}
-    assert len(ranks) == 2 and len({node for _, node in ranks}) == 2, ranks
-
-
 def test_a_run_submitted_on_a_gpu_share_goes_on_at_a_doubled_share_after_running_out_of_memory(stack):
     """`elastic submit` with workers.gpus 0.25: both ranks on a quarter of a spot GPU each (on different GPUs),
     each capped at its share; an (injected) OOM after step 12 below 0.5: the driver goes on from the last
-    checkpoint at share 0.5 and the run finishes. The run ledger has both placements."""
+    checkpoint at share 0.5 and the run finishes. The run ledger has both placements.
+
+    It is also the run that shows --gpus-per-node's logical GPUs at work: a job asking for GPUs is scheduled by
+    them (its two ranks on the two spot nodes' GPUs) and trains on the CPU over gloo."""
     from elastic.ledger.events import PlacementStarted
+
+    assert [n["gpus"] for n in stack["nodes"] if n["role"] == "worker"] == [1, 1, 1]
 
     sets = [
         "workers.gpus=0.25",
@@ -115,6 +107,10 @@ def test_a_run_submitted_on_a_gpu_share_goes_on_at_a_doubled_share_after_running
     proc = stack["cli"].run("submit", str(DIGITS), "--suffix", "share", *args, "--follow", timeout=600)
     assert proc.returncode == 0 and "SUCCEEDED" in proc.stdout, proc.stdout[-4000:]
     assert "out of memory at step 12 with GPU share 0.25" in proc.stdout
+    # Each start of the worker group (at 0.25, then at 0.5) logs its two ranks: on two nodes, so two GPUs.
+    starts = [(m[1], m[2]) for m in WORKER_LINE.finditer(proc.stdout)]
+    groups = [dict(starts[i : i + 2]) for i in range(0, len(starts), 2)]
+    assert len(groups) >= 2 and all(set(g) == {"0", "1"} and len(set(g.values())) == 2 for g in groups), starts
     events = read_ledger_of(stack, "s3://elastic/runs/digits-ddp-share")
     shares = [e.gpus_per_worker for e in events if isinstance(e, PlacementStarted)]
     assert shares[0] == 0.25 and shares[-1] == 0.5, shares
