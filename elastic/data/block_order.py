@@ -107,8 +107,9 @@ class BlockShuffleOrder:
                 offsets = self._window_permutation(window, window_stop - window_start)
                 offsets = offsets[position - window_start : end - window_start]
             elif self.shuffle:  # a window of huge row groups: the positions asked for only
-                perm = KeyedPermutation(window_stop - window_start, round_keys(_seed(*self._key, window), "rows"))
-                offsets = perm.at(np.arange(position - window_start, end - window_start, dtype=np.int64))
+                offsets = self._rows_of(window, window_stop - window_start).at(
+                    np.arange(position - window_start, end - window_start, dtype=np.int64)
+                )
             else:
                 offsets = np.arange(position - window_start, end - window_start, dtype=np.int64)
             # Offsets within the window -> (j-th group of the sequence, row within that group).
@@ -121,12 +122,16 @@ class BlockShuffleOrder:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
         return np.concatenate(all_groups), np.concatenate(all_rows)
 
+    def _rows_of(self, window: int, size: int) -> KeyedPermutation:
+        """The keyed permutation of the `size` rows of `window` in this epoch."""
+        return KeyedPermutation(size, round_keys(_seed(*self._key, window), "rows"))
+
     def _window_permutation(self, window: int, size: int) -> np.ndarray:
         """Row offsets within `window` (of `size` rows) in training order: the keyed permutation, whole."""
         cached = self._window_rows
         if cached is not None and cached[0] == window:
             return cached[1]
-        perm = KeyedPermutation(size, round_keys(_seed(*self._key, window), "rows"))
+        perm = self._rows_of(window, size)
         # In chunks: the rounds' temporaries stay a few MB however large the window.
         chunks = [perm.slice(s, min(s + WINDOW_CHUNK_ROWS, size)) for s in range(0, size, WINDOW_CHUNK_ROWS)]
         offsets = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.int64)

@@ -107,3 +107,17 @@ def test_a_billion_rows_in_1e5_groups_needs_memory_per_group_and_one_window_only
     # 16 bytes a row group, plus the row order of the one window read (16 groups of 1e4 rows, 8 bytes a row)
     assert order.state_bytes == 16 * 100_001 - 8 + 8 * 16 * 10_000
     assert peak < 16 * 1024 * 1024  # ~2.9 MB of state plus the permutation's passes (in chunks)
+
+
+def test_a_window_too_large_to_keep_whole_gives_the_same_order(monkeypatch):
+    """The kept row order of a window and the one computed for the positions asked for are the same order."""
+    from elastic.data import block_order
+
+    counts = np.random.default_rng(1).integers(1, 50, size=40)
+    kept = BlockShuffleOrder(counts, 5, 2, window=8)
+    monkeypatch.setattr(block_order, "WINDOW_CACHE_MAX_ROWS", 0)
+    asked = BlockShuffleOrder(counts, 5, 2, window=8)
+    for start, stop in [(0, kept.num_rows), (7, 300), (123, 124)]:
+        for a, b in zip(kept.locate(start, stop), asked.locate(start, stop)):
+            assert np.array_equal(a, b)
+    assert asked.state_bytes == asked.group_sequence.nbytes + asked.starts.nbytes  # nothing kept per row
