@@ -28,37 +28,11 @@ from elastic.errors import ClusterError, JobFailed
 logger = logging.getLogger(__name__)
 
 
-# Ray runs its workers at nice 15 (its `worker_niceness`) so that the GCS, the raylets and the user's own processes
-# keep the CPU while workers are busy. A job submitted with entrypoint resources or a label selector, as ours are,
-# keeps its supervisor's niceness 0 for every task and actor of the job (Ray's job supervisor skips that reset when
-# resources are specified). Seen on a saturated local stack: a replacement node's raylet missed `ray start`'s
-# fixed 30 s registration three times in a row while the run's actors took the CPU at the GCS's priority.
-WORKER_NICENESS = "15"
-
-
-def _connect() -> None:
-    """ray.init for the job's driver, its tasks and actors at Ray's default worker niceness (see above)."""
-    # Ray refuses a driver's runtime_env that names an env var the job's also names, unless told to override it.
-    saved = os.environ.get("RAY_OVERRIDE_JOB_RUNTIME_ENV")
-    os.environ["RAY_OVERRIDE_JOB_RUNTIME_ENV"] = "1"
-    try:
-        ray.init(
-            address=os.environ.get("RAY_ADDRESS") or "auto",
-            log_to_driver=True,
-            runtime_env={"env_vars": {"RAY_worker_niceness": WORKER_NICENESS}},
-        )
-    finally:
-        if saved is None:
-            os.environ.pop("RAY_OVERRIDE_JOB_RUNTIME_ENV", None)
-        else:
-            os.environ["RAY_OVERRIDE_JOB_RUNTIME_ENV"] = saved
-
-
 def run_job(spec: JobSpec, run_name: str) -> RunSummary:
     """Run the job to completion on the connected Ray cluster and write its summary next to its checkpoints."""
     logs.configure()
     try:
-        _connect()
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=True)
     except ConnectionError:
         raise ClusterError("no Ray cluster to run on; start one with `elastic local up` or set RAY_ADDRESS") from None
     run_uri = run_directory(spec, run_name)
