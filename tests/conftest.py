@@ -52,11 +52,29 @@ def pytest_collection_modifyitems(config, items):
 
 
 _module_seconds: dict[str, float] = defaultdict(float)
+_config = None
+
+
+def pytest_configure(config):
+    global _config
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist): its terminal is the log
+        _config = config
 
 
 def pytest_runtest_logreport(report):
     if report.nodeid.startswith(INTEGRATION):
         _module_seconds[report.nodeid.split("::", 1)[0]] += report.duration
+    terminal = _config.pluginmanager.get_plugin("terminalreporter") if _config is not None else None
+    if terminal is not None and report.passed and report.when == "call" and report.nodeid.startswith(INTEGRATION):
+        terminal.write_line(f"\npassed ({report.duration:.0f} s) {report.nodeid}")  # the log shows progress
+    if report.failed and terminal is not None:
+        # Named the moment it fails, with the end of its message: a CI run cut at its time limit never prints
+        # pytest's summary, and then this line is all its log says of a failure.
+        lines = report.longreprtext.splitlines()
+        message = [line[1:].strip() for line in lines if line.startswith("E ")][:3] or lines[-1:]
+        terminal.write_line(
+            f"\nFAILED ({report.when}, {report.duration:.0f} s) {report.nodeid}: {' '.join(message)[:300]}"
+        )
 
 
 def pytest_terminal_summary(terminalreporter):
