@@ -2,7 +2,8 @@
 stack here runs with `--s3-faults`: its S3 endpoint is the fault proxy, which `down` stops with the rest. And
 whole-cluster loss: a run cut by `down` (no notice) resumes after `up` from its last committed checkpoint, which
 the on-disk bucket kept, and ends bit-identical to an uninterrupted run; a Ray Train function (api ray-train)
-resubmitted after the loss gets its last reported checkpoint back from `ray.train.get_checkpoint()`."""
+resubmitted after the loss gets its last reported checkpoint back from `ray.train.get_checkpoint()`. The second
+`up` is the README's flow in one shell: it meets the first stack's exports, names them and ignores them."""
 
 from __future__ import annotations
 
@@ -10,14 +11,13 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import boto3
 import botocore.config
 import psutil
 import pytest
 from botocore.exceptions import ClientError
-from conftest import ROOT
+from conftest import Cli
 from run_helpers import Submission, assert_same_weights, final_tensors
 
 from elastic.local.processes import MARKER_VARIABLE
@@ -107,10 +107,14 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         cut.proc.kill()  # its `submit --follow` client lost the job API with the stack
         cut.proc.wait(timeout=30)
 
-        # Part 2: up again (the bucket's objects are on disk), submit the same job: it resumes.
-        stack = json.loads(
-            cli.run("local", "up", "--spot", "1", "--on-demand", "1", "--json", check=True, timeout=300).stdout
-        )
+        # Part 2: up again (the bucket's objects are on disk), submit the same job: it resumes. As in the README's
+        # flow, the shell still exports the first stack's variables (`eval "$(elastic local env)"` before the
+        # `down`): the new `up` names them, ignores them and starts every node.
+        stale_shell = Cli({**cli.env, **info["env"]})
+        again_up = stale_shell.run("local", "up", "--spot", "1", "--on-demand", "1", "--json", check=True, timeout=300)
+        assert "variables of a local stack that is gone" in again_up.stderr, again_up.stderr[-2000:]
+        stack = json.loads(again_up.stdout)
+        assert sorted(n["name"] for n in stack["nodes"]) == ["head", "on-demand-0", "spot-0"], stack["nodes"]
         last = final_tensors(stack, "digits-ddp-loss")["step"]  # the last checkpoint committed before the loss
         assert 20 <= last < LOSS_STEPS
         # The Ray Train function, resubmitted with a second epoch, gets its checkpoint back from the bucket.
@@ -122,7 +126,8 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         assert [c["step"] for c in listed if c["committed"]] == [5, 10], listed
         resumed = Submission(cli, "--suffix", "loss", *LOSS_JOB).finish()
         assert [int(m) for m in RESUMED_LINE.findall(resumed)][:1] == [last], resumed[-4000:]
-        Submission(cli, "--suffix", "base", *LOSS_JOB).finish()
+        # The uninterrupted run goes through the new stack's exports, as the README's shell does after its eval.
+        Submission(Cli({**cli.env, **stack["env"]}), "--suffix", "base", *LOSS_JOB).finish()
         interrupted, baseline = final_tensors(stack, "digits-ddp-loss"), final_tensors(stack, "digits-ddp-base")
         assert baseline["step"] == LOSS_STEPS
         assert_same_weights(interrupted, baseline)
@@ -131,64 +136,3 @@ def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory
         if cut is not None and cut.proc.poll() is None:
             cut.proc.kill()
         cli.run("local", "down", timeout=120)
-
-
-# The README's flow in one shell, repeated: each cycle's `eval` leaves that stack's exports in the shell, so
-# every `up` after the first starts in a shell pointing at a stack that is gone (the case that once failed).
-README_CYCLE = r"""
-set -euo pipefail
-for i in $(seq 1 "$CYCLES"); do
-  elastic local up --spot 1 --on-demand 0 --json >"$WORK/up-$i.json" 2>"$WORK/up-$i.err"
-  eval "$(elastic local env)"
-  elastic submit jobs/digits_ddp.yaml --suffix "cycle-$i" --json \
-    --set workers.min=1 --set workers.max=1 --set config.epochs=1000 >"$WORK/submit-$i.json" 2>"$WORK/submit-$i.err"
-  job=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["job_id"])' "$WORK/submit-$i.json")
-  # Training yet? The job API's log (a plain HTTP GET with the stack's token: cheap enough to poll each second).
-  for _ in $(seq 1 180); do
-    python -c "$JOB_LOG" "$job" | grep -q "held-out accuracy" && break
-    sleep 1
-  done
-  elastic logs "digits-ddp-cycle-$i" | grep "held-out accuracy" | head -1 >"$WORK/trained-$i.log"
-  elastic local down >"$WORK/down-$i.log" 2>&1
-done
-"""
-# Every `up` after the first meets the previous stack's exports and must ignore them (the cause of the old
-# flake, now deterministic: up runs its checks in an environment without them, and the unit tests of
-# elastic.local cover that environment). One such `up` asserts it end to end; each more costs a stack's start,
-# a job and a `down` (2-3 minutes of a CI worker) for no other property.
-README_CYCLES = 2
-JOB_LOG = """
-import json, os, sys, urllib.request
-token = open(os.environ["RAY_AUTH_TOKEN_PATH"]).read().strip()
-url = f"{os.environ['RAY_API_SERVER_ADDRESS']}/api/jobs/{sys.argv[1]}/logs"
-request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
-try:
-    print(json.load(urllib.request.urlopen(request, timeout=5)).get("logs", ""))
-except OSError:
-    pass
-"""
-
-
-@pytest.mark.slow
-def test_the_readme_flow_repeated_in_one_shell_starts_every_stack(tmp_path, cli_factory):
-    """up, eval "$(elastic local env)", a job training, down: twice in a row in one shell, every `up`
-    with every node joined, every job training when its stack went down."""
-    cli = cli_factory(tmp_path / "home")
-    env = {**cli.env, "CYCLES": str(README_CYCLES), "WORK": str(tmp_path), "JOB_LOG": JOB_LOG}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    try:
-        proc = subprocess.run(
-            ["bash", "-c", README_CYCLE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500
-        )
-    finally:
-        cli.run("local", "down", timeout=120)
-    done = sorted(int(p.stem.split("-")[1]) for p in tmp_path.glob("down-*.log"))
-    assert proc.returncode == 0 and done == list(range(1, README_CYCLES + 1)), (done, proc.stderr[-3000:])
-    for i in range(1, README_CYCLES + 1):
-        up = json.loads((tmp_path / f"up-{i}.json").read_text())
-        assert [n["name"] for n in up["nodes"]] == ["head", "spot-0"], up["nodes"]
-        assert "held-out accuracy" in (tmp_path / f"trained-{i}.log").read_text()
-        assert "local stack stopped" in (tmp_path / f"down-{i}.log").read_text()
-        # From the second `up` on, the shell held the previous stack's exports: named, and ignored.
-        warned = "variables of a local stack that is gone" in (tmp_path / f"up-{i}.err").read_text()
-        assert warned == (i > 1)
