@@ -186,10 +186,14 @@ def _start(
             save_state(state)
         head, workers = plan[0], plan[1:]
         progress("Ray head")
-        state.roots.append(_start_node(ray_bin, head, state, env, logs).to_dict())
+        head_root = _start_node(ray_bin, head, state, env, logs)
+        state.roots.append(head_root.to_dict())
         save_state(state)
         wait_for_port(ports["gcs"], timeout, "the Ray head's GCS", logs / "head.log")
         wait_for_job_api(state, timeout)
+        # Back to normal priority once its raylet has registered (after the agents' start), not before.
+        wait_for_nodes(state, [head], timeout)
+        processes.normal_priority(head_root, processes.HEAD_NICENESS)
         # One node at a time: on a 2-core machine, raylets started together time out registering.
         for joined, node in enumerate(workers, start=2):
             progress(f"node {node.name} ({node.market})")
@@ -200,6 +204,7 @@ def _start(
                 save_state(state)
                 try:
                     joined_nodes = wait_for_nodes(state, plan[:joined], timeout)
+                    processes.normal_priority(launched)
                     break
                 except NodeStartTimedOut as err:
                     if attempt == NODE_START_ATTEMPTS:
@@ -266,7 +271,7 @@ def _start_node(ray_bin: str, node: NodePlan, state: LocalState, env: dict, logs
     # Ray's processes export metrics every 10 s by default; a local run lives seconds, and a worker's series
     # would often leave with it unseen. Every 2 s here (Ray's floor is 1 s), what a test's Prometheus scrapes.
     env = {**env, "RAY_metrics_report_interval_ms": str(METRICS_REPORT_MS), **QUIETER_NODE_DAEMONS}
-    return processes.launch(args, node.name, state.marker, env, logs / f"{node.name}.log")
+    return processes.launch(args, node.name, state.marker, env, logs / f"{node.name}.log", raised_priority=True)
 
 
 def _start_spot_daemons(node: dict, state: LocalState, env: dict, logs: Path, timeout: float) -> None:
@@ -371,7 +376,9 @@ def _add_one_node(state: LocalState, market: str, cpus: int, gpus: int, env: dic
         state.node_temp_dirs.append(node_temp)
         save_state(state)
     try:
-        return wait_for_nodes(state, [node], timeout)[0], node
+        joined = wait_for_nodes(state, [node], timeout)[0]
+        processes.normal_priority(launched)
+        return joined, node
     except ClusterError:
         processes.kill_trees([launched])
         with state_lock():

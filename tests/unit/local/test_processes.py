@@ -139,3 +139,36 @@ def test_find_marked_ignores_unknown_markers():
 @pytest.mark.parametrize("timeout", [0.0])
 def test_wait_until_gone_with_nothing_to_wait_for(timeout):
     assert processes.wait_until_gone(f"nobody-{uuid.uuid4().hex}", [], timeout=timeout) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a process's priority needs root; elsewhere launch leaves it")
+def test_a_node_starts_at_raised_priority_and_its_whole_tree_goes_back_to_normal(tmp_path):
+    """What a Ray node's processes get: raised priority from the fork on (a child started later inherits it),
+    then niceness 0 for the root and every child once the node has joined."""
+    marker = uuid.uuid4().hex[:12]
+    root = processes.launch(_DAEMON, "node", marker, {}, tmp_path / "node.log", raised_priority=True)
+    try:
+        proc = root.process()
+        assert proc is not None and proc.nice() == processes.STARTUP_NICENESS
+        children = _wait_for(lambda: proc.children(recursive=True))
+        assert children and all(c.nice() == processes.STARTUP_NICENESS for c in children)
+        # With autogroup scheduling the session is what shares the CPU: its niceness is raised too.
+        assert processes.session_niceness(proc.pid) in (None, processes.STARTUP_NICENESS)
+        processes.normal_priority(root, processes.HEAD_NICENESS)  # what the head keeps
+        assert [p.nice() for p in (proc, *children)] == [processes.HEAD_NICENESS] * (1 + len(children))
+        assert processes.session_niceness(proc.pid) in (None, processes.HEAD_NICENESS)
+        processes.normal_priority(root)
+        assert [p.nice() for p in (proc, *children)] == [0] * (1 + len(children))
+        assert processes.session_niceness(proc.pid) in (None, 0)
+    finally:
+        processes.kill_trees([root])
+
+
+def test_a_daemon_launched_without_raised_priority_keeps_its_parents(tmp_path):
+    root = processes.launch(_DAEMON, "plain", uuid.uuid4().hex[:12], {}, tmp_path / "plain.log")
+    try:
+        assert root.process().nice() == os.nice(0)
+        processes.normal_priority(root)  # nothing raised: nothing changes
+        assert root.process().nice() == os.nice(0)
+    finally:
+        processes.kill_trees([root])
