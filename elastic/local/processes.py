@@ -97,7 +97,8 @@ def binary(name: str, package: str) -> str:
 #   (ray-project/ray#65983; `ray start` then says only that the node timed out): most replacement nodes of a
 #   reclaim test never joined. A node starts at STARTUP_NICENESS and goes back to 0 once it has joined;
 # - the head's session holds the GCS, the dashboard and the driver and Train controller of every run, one
-#   share among a dozen: the GCS missed RPC deadlines. The head keeps HEAD_NICENESS (about three shares).
+#   share among a dozen: the GCS missed RPC deadlines. The head's session keeps HEAD_NICENESS (about three
+#   shares); inside it, its processes are back at 0 (a driver niced below the dashboard would crawl).
 # Raising priority needs root (CAP_SYS_NICE); elsewhere both are left as they are.
 STARTUP_NICENESS = -10
 HEAD_NICENESS = -5
@@ -126,8 +127,9 @@ def launch(
     return Launched(pid=proc.pid, create_time=process.create_time(), role=role, start_ticks=start_ticks(proc.pid))
 
 
-def normal_priority(root: Launched, niceness: int = 0) -> None:
-    """The root's session, and every process under it whose priority `launch` raised, at `niceness` (0)."""
+def normal_priority(root: Launched, session_niceness: int = 0) -> None:
+    """Every process under the root that `launch` raised back to niceness 0 (inside a session Ray decides), and
+    the root's session (its autogroup) at `session_niceness`."""
     proc = root.process()
     if proc is None:
         return
@@ -137,10 +139,11 @@ def normal_priority(root: Launched, niceness: int = 0) -> None:
         return
     for member in tree:
         try:
-            if member is proc or member.nice() < niceness:
-                _set_niceness(member, niceness)
+            if member.nice() < 0:
+                member.nice(0)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
+    _set_session_niceness(proc.pid, session_niceness)
 
 
 def session_niceness(pid: int) -> int | None:
@@ -155,10 +158,17 @@ def _set_niceness(process: psutil.Process, niceness: int) -> None:
     """The process's niceness and, for a session's leader, its session's (autogroup's) niceness."""
     try:
         process.nice(niceness)
-        if os.getsid(process.pid) == process.pid:
-            Path(f"/proc/{process.pid}/autogroup").write_text(str(niceness))
     except (psutil.AccessDenied, psutil.NoSuchProcess, OSError):
-        pass  # not root (priority can only be lowered), no autogroup, or already gone: left as it is
+        return  # not root (priority can only be lowered), or already gone: left as it is
+    _set_session_niceness(process.pid, niceness)
+
+
+def _set_session_niceness(pid: int, niceness: int) -> None:
+    try:
+        if os.getsid(pid) == pid:
+            Path(f"/proc/{pid}/autogroup").write_text(str(niceness))
+    except OSError:
+        pass  # no autogroup scheduling, not allowed, or gone: left as it is
 
 
 def find_marked(marker: str, variable: str = MARKER_VARIABLE) -> list[psutil.Process]:

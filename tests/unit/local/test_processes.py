@@ -154,8 +154,8 @@ def test_a_node_starts_at_raised_priority_and_its_whole_tree_goes_back_to_normal
         assert children and all(c.nice() == processes.STARTUP_NICENESS for c in children)
         # With autogroup scheduling the session is what shares the CPU: its niceness is raised too.
         assert processes.session_niceness(proc.pid) in (None, processes.STARTUP_NICENESS)
-        processes.normal_priority(root, processes.HEAD_NICENESS)  # what the head keeps
-        assert [p.nice() for p in (proc, *children)] == [processes.HEAD_NICENESS] * (1 + len(children))
+        processes.normal_priority(root, processes.HEAD_NICENESS)  # what the head keeps: its session's share
+        assert [p.nice() for p in (proc, *children)] == [0] * (1 + len(children))
         assert processes.session_niceness(proc.pid) in (None, processes.HEAD_NICENESS)
         processes.normal_priority(root)
         assert [p.nice() for p in (proc, *children)] == [0] * (1 + len(children))
