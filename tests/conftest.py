@@ -9,17 +9,17 @@ from collections import defaultdict
 
 INTEGRATION = "tests/integration/"
 
-# Seconds each integration module took in CI (setup included), from the "seconds per module" summary. Longest
+# Seconds each integration module took in CI (setup included), from the "seconds per module" summary (here:
+# the partial CI runs of 2026-12-07 at a load of ~20, less the tests moved to make test-extended). Longest
 # first is how two workers finish together: a long module started late is the run's tail. A module not listed
 # goes after these, in collection order.
 MODULE_SECONDS = {
-    "test_submit_digits.py": 2051,
-    "test_preemption_e2e.py": 1628,
-    "test_sweep.py": 1599,
-    "test_local_lifecycle.py": 753,
-    "test_chaos_soak.py": 542,
-    "test_cluster_rehearsal.py": 388,
-    "test_spot_first.py": 350,
+    "test_submit_digits.py": 2900,
+    "test_preemption_e2e.py": 2350,
+    "test_sweep.py": 1900,
+    "test_local_lifecycle.py": 600,
+    "test_spot_first.py": 400,
+    "test_cluster_rehearsal.py": 350,
 }
 
 

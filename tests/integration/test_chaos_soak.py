@@ -50,6 +50,7 @@ def stack(tmp_path_factory):
         cli.run("local", "down", timeout=180)
 
 
+@pytest.mark.extended  # the soak; make test asserts each of its faults' recoveries in a test of its own
 @pytest.mark.timeout(1600)  # the soak's own limit is 1500 s: seen over 900 s on a loaded CI machine
 def test_a_short_soak_passes_and_leaves_nothing_of_the_run_behind(stack, tmp_path):
     scratch = tmp_path / "tmp"

@@ -71,6 +71,7 @@ def baseline(stack) -> dict:
     return final_tensors(stack, "digits-ddp-base")
 
 
+@pytest.mark.timeout(1500)  # with the module's stack and its uninterrupted run (the fixture): two 1,380-step runs
 def test_a_noticed_reclaim_loses_no_step_and_a_hard_one_goes_back_to_the_last_periodic_checkpoint(
     stack, baseline, tmp_path
 ):
@@ -184,6 +185,7 @@ def test_two_spot_nodes_reclaimed_at_once_shrink_the_run_and_every_sample_is_see
     assert verdict.ok, verdict
 
 
+@pytest.mark.extended  # the first test of this module asserts the same losses on a run of its own
 def test_recovery_benchmark_runs_side_by_side_and_loses_nothing_to_a_noticed_reclaim(stack):
     """`elastic bench recovery --notice 10 --json` (without the 10-minute goodput run): a noticed reclaim of our run, a hard
     kill of it, and a noticed reclaim of a bare Ray Train loop, one after the other on this stack."""

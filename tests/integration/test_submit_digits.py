@@ -474,7 +474,8 @@ def test_bad_input_exits_2_with_one_line(stack, args, expected):
         # FSDP2 (bf16, activation checkpointing), dropout, AdamW, warmup + cosine LambdaLR, streamed from the
         # bucket: it stands for charlm too (the same corpus, loop and schedule under DDP).
         # 2 kills (the second inside a save) and a notice: each more kill is one more restart of a sharded run.
-        ("jobs/gpt.yaml", 2, [], False),
+        # make test-extended (15 minutes in a loaded CI): FSDP's bit-identical resume is make test's in test_fsdp.
+        pytest.param("jobs/gpt.yaml", 2, [], False, marks=pytest.mark.extended),
         ("jobs/digits_augment.yaml", 2, ["--set", "config.epochs=2"], True),  # crop/flip/noise in 2 DataLoader workers
     ],
 )

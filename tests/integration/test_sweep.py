@@ -119,6 +119,7 @@ def test_a_run_submitted_on_a_gpu_share_goes_on_at_a_doubled_share_after_running
     assert "going on at GPU share 0.5" in proc.stdout
 
 
+@pytest.mark.extended  # bench packing; the pack test below holds three jobs' trials on shared GPUs at once
 def test_four_trials_share_one_gpu_at_once(stack):
     proc = stack["cli"].run(
         "bench", "packing", "--market", "on-demand", "--share", "0.25", "--no-floor", "--json", timeout=420
@@ -196,6 +197,9 @@ def test_a_sweep_of_hugging_face_trainers_reports_each_committed_trainer_checkpo
         assert fs.exists(steps[-1].replace("COMMITTED.json", "files/trainer_state.json")), steps[-1]
 
 
+# make test-extended: the pack test retries a sweep trial's OOM at the doubled share, and the GPU-share submit
+# test above puts each start's two ranks on distinct GPUs.
+@pytest.mark.extended
 def test_out_of_memory_retried_with_bigger_share_and_fsdp_ranks_on_distinct_gpus(stack, tmp_path):
     name = f"oom-{uuid.uuid4().hex[:6]}"
     sweep = write_sweep(
