@@ -47,7 +47,8 @@ def stack_pids(marker: str) -> list[int]:
 
 def test_down_stops_everything_it_started_and_nothing_else(tmp_path, cli_factory):
     cli = cli_factory(tmp_path / "home")
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    # Outlives the test however loaded the machine (it is killed at the end): an exit of its own is not a kill.
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     cut: Submission | None = None
     try:
         stack = json.loads(
