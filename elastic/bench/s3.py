@@ -21,7 +21,8 @@ import psutil
 
 from elastic.environment import overridden
 from elastic.local import s3servers
-from elastic.local.stack import LOCAL_AWS_KEY, free_port
+from elastic.local.ports import free_port
+from elastic.local.stack import LOCAL_AWS_KEY
 from elastic.storage import pyarrow_filesystem
 
 logger = logging.getLogger(__name__)

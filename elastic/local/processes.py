@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -70,10 +69,11 @@ class Launched:
             # A recycled PID belongs to someone else: compare start times before touching it.
             ticks = start_ticks(self.pid) if self.start_ticks is not None else None
             if ticks is not None:
-                return proc if ticks == self.start_ticks else None
-            if abs(proc.create_time() - self.create_time) > 1.0:
-                return None
-            return proc
+                same = ticks == self.start_ticks
+            else:
+                same = abs(proc.create_time() - self.create_time) <= 1.0
+            # A zombie has exited; only its parent (the CLI that launched it, until it reaps it) keeps its entry.
+            return proc if same and proc.status() != psutil.STATUS_ZOMBIE else None
         except psutil.NoSuchProcess:
             return None
 
@@ -265,13 +265,3 @@ def kill_trees(roots: list[Launched]) -> int:
         _signal(each, signal.SIGKILL)
     psutil.wait_procs(list(procs.values()), timeout=5)
     return len(procs)
-
-
-def port_is_free(port: int) -> bool:
-    """Whether a listener could bind this loopback port now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True

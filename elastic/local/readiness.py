@@ -7,6 +7,7 @@ raylet runs but that never shows up in the cluster (with what was seen of it and
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 import urllib.error
@@ -15,13 +16,20 @@ from pathlib import Path
 
 from elastic.environment import overridden
 from elastic.errors import ClusterError
+from elastic.local.processes import Launched
 from elastic.local.state import LocalState, NodePlan, home_dir
 from elastic.placement.labels import NODE_NAME_LABEL
 
 LOG_LINES_SHOWN = 5
+# A Go server's fatal line: glog's ("F1207 18:49:38.826111 filer.go:454 ..."), a panic, a runtime fatal error.
+FATAL_LINE = re.compile(r"^(F\d{4} \d|panic: |fatal error: )")
 # What `ray start` prints when its raylet did not register with the GCS within Ray's fixed 30 s (ray/_private/
 # node.py): seen on a 2-core machine under load. The node will never join; starting it again usually works.
 RAY_START_TIMED_OUT = "The current node timed out during startup"
+
+
+class ExitedAtStart(ClusterError):
+    """A process we started exited before it listened: the caller may start it again (on other ports)."""
 
 
 class NodeStartTimedOut(ClusterError):
@@ -44,6 +52,20 @@ def wait_for_port(port: int, timeout: float, what: str, log: Path) -> None:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.3)
+    raise ClusterError(f"{what} did not start listening on port {port} within {timeout:.0f}s; {_tail(log)}")
+
+
+def wait_for_listening(root: Launched, port: int, timeout: float, what: str, log: Path) -> None:
+    """As wait_for_port, and an `ExitedAtStart` as soon as the process `root` is gone."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.settimeout(1)
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        if root.process() is None:
+            raise ExitedAtStart(f"{what} exited before it listened on port {port}; {_tail(log)}")
+        time.sleep(0.2)
     raise ClusterError(f"{what} did not start listening on port {port} within {timeout:.0f}s; {_tail(log)}")
 
 
@@ -152,10 +174,17 @@ def _check_roots_alive(state: LocalState) -> None:
 
 
 def _tail(log: Path, lines: int = LOG_LINES_SHOWN) -> str:
-    """`see LOG` and the log's last non-empty lines joined with ' | ' (an error stays one line)."""
+    """`see LOG`, the log's first fatal line if it has one, and its last non-empty lines joined with ' | '
+    (an error stays one line). The fatal line first: a Go server's fatal error is followed by every
+    goroutine's stack, and its last lines say nothing."""
     try:
         text = log.read_text(errors="replace").splitlines()
     except OSError:
         return f"see {log} (not written)"
+    fatal = next((line.strip() for line in text if FATAL_LINE.match(line)), "")
     last = [line.strip() for line in text if line.strip()][-lines:]
-    return f"see {log}" + (f"; last lines: {' | '.join(last)}" if last else " (empty)")
+    return (
+        f"see {log}"
+        + (f"; fatal: {fatal}" if fatal and fatal not in last else "")
+        + (f"; last lines: {' | '.join(last)}" if last else " (empty)")
+    )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic.errors import ClusterError
-from elastic.local import processes
+from elastic.local import ports, processes
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _admin_ports(free_port: Callable[[], int]) -> list[str]:
     (seaweedfs 4.48), so the gRPC port is chosen as exactly that, and free."""
     while True:
         port = free_port()
-        if port + 10000 < 65536 and processes.port_is_free(port + 10000):
+        if port + 10000 < 65536 and ports.port_is_free(port + 10000):
             return [f"-admin.port={port}", f"-admin.port.grpc={port + 10000}"]
 
 

@@ -13,7 +13,6 @@ import fcntl
 import logging
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import uuid
@@ -25,8 +24,17 @@ from pathlib import Path
 from elastic.errors import ClusterError
 from elastic.local import processes, s3servers
 from elastic.local.exports import forget_stale
+from elastic.local.ports import free_port
 from elastic.local.processes import Launched
-from elastic.local.readiness import NodeStartTimedOut, logs_dir, wait_for_job_api, wait_for_nodes, wait_for_port
+from elastic.local.readiness import (
+    ExitedAtStart,
+    NodeStartTimedOut,
+    logs_dir,
+    wait_for_job_api,
+    wait_for_listening,
+    wait_for_nodes,
+    wait_for_port,
+)
 from elastic.local.state import (
     AUTH_MODES,
     DEFAULT_BUCKET,
@@ -97,6 +105,7 @@ QUIETER_NODE_DAEMONS = {"REPORTER_UPDATE_INTERVAL_MS": "15000", "AUTOSCALER_UPDA
 # `ray start` gives a raylet a fixed 30 s to register; under load it can miss it, and a second start usually joins.
 # On a saturated machine (a CI run at a load of ~18 on 2 cores) three starts in a row were seen to miss it.
 NODE_START_ATTEMPTS = 5
+S3_START_ATTEMPTS = 3
 
 
 def up(
@@ -170,15 +179,13 @@ def _start(
         s3_server=s3,
         complete=False,
     )
-    s3_command = s3servers.command(s3, ports["s3"], home_dir() / "local" / "s3" / s3, free_port)
     state.use_ray()  # this process polls the stack's dashboard and state API too
     # Job entrypoints run `python -m elastic`: the stack's processes must find this interpreter first.
     env = {**state.env(), "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     save_state(state)  # first, so `down` can clean up a half-started stack
     try:
         progress(f"S3 endpoint ({s3})")
-        state.roots.append(processes.launch(s3_command, "s3", marker, env, logs / "s3.log").to_dict())
-        save_state(state)
+        _start_s3(state, env, logs, timeout)
         if s3_faults:
             proxy = [sys.executable, "-m", "elastic.local.s3_faults", "--upstream", server_url]
             proxy += ["--port", str(ports["s3_faults"]), "--seed", str(s3_fault_seed)]
@@ -219,7 +226,6 @@ def _start(
                 _start_spot_daemons(state.nodes[-1], state, env, logs, timeout)
                 save_state(state)
         progress(f"bucket {bucket}")
-        wait_for_port(ports["s3"], timeout, "the S3 endpoint", logs / "s3.log")
         if s3_faults:
             wait_for_port(ports["s3_faults"], timeout, "the S3 fault proxy", logs / "s3-faults.log")
         _create_bucket(state, timeout)
@@ -229,6 +235,27 @@ def _start(
     except BaseException:
         down()
         raise
+
+
+def _start_s3(state: LocalState, env: dict, logs: Path, timeout: float) -> None:
+    """The S3 server, listening before anything that uses it starts. One that exits first (a port of its own
+    taken between our probe and its bind) is started again on other ports, its S3 port kept: the stack's
+    environment names it already."""
+    data = home_dir() / "local" / "s3" / state.s3_server
+    for attempt in range(1, S3_START_ATTEMPTS + 1):
+        argv = s3servers.command(state.s3_server, state.ports["s3"], data, free_port)
+        launched = processes.launch(argv, "s3", state.marker, env, logs / "s3.log")
+        state.roots.append(launched.to_dict())
+        save_state(state)
+        try:
+            wait_for_listening(launched, state.ports["s3"], timeout, "the local S3 server", logs / "s3.log")
+            return
+        except ExitedAtStart as err:
+            if attempt == S3_START_ATTEMPTS:
+                raise
+            _log.warning("%s; starting it again (attempt %d)", err, attempt + 1)
+            state.roots = [r for r in state.roots if r["pid"] != launched.pid]
+            (logs / "s3.log").replace(logs / f"s3.log.{attempt}")
 
 
 def _start_node(ray_bin: str, node: NodePlan, state: LocalState, env: dict, logs: Path) -> Launched:
@@ -435,23 +462,6 @@ def _up_lock():
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-_handed_out: set[int] = set()  # ports given to daemons by this process, bound by them later or not yet
-
-
-def free_port() -> int:
-    """A port free now and never handed out before by this process. The kernel may offer a port again as soon
-    as our probe socket closes, and the daemons bind theirs seconds later: two components of one node were
-    seen given the same port (Ray refused to start: "metrics_export is trying to use a port number ... that
-    is used by other components")."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
 
 
 def _cuda_available() -> bool:

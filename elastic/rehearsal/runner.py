@@ -37,8 +37,7 @@ from pathlib import Path
 
 from elastic.local import processes, s3servers
 from elastic.local.metadata_server import ADMIN_PREFIX, post_admin
-from elastic.local.processes import port_is_free
-from elastic.local.stack import free_port
+from elastic.local.ports import free_port, port_is_free
 from elastic.local.state import LOCAL_AWS_KEY
 from elastic.rehearsal import nodes as node_ops
 from elastic.rehearsal import shims

@@ -66,7 +66,7 @@ def test_state_files_from_before_auth_load_as_token_and_moto():
 @pytest.mark.parametrize("name", sorted(s3servers.SERVERS))
 def test_every_s3_server_listens_on_loopback_only_on_ports_it_was_given(name, tmp_path, monkeypatch):
     monkeypatch.setattr(s3servers.processes, "binary", lambda binary, package: f"/bin/{binary}")
-    monkeypatch.setattr(s3servers.processes, "port_is_free", lambda port: True)
+    monkeypatch.setattr(s3servers.ports, "port_is_free", lambda port: True)
     ports = itertools.count(40000)
     argv = s3servers.command(name, 9000, tmp_path / "data", lambda: next(ports))
     joined = " ".join(argv)

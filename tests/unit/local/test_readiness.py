@@ -3,11 +3,13 @@ once from one that is merely slow, so the stack starts it again instead of waiti
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
 
-from elastic.local import readiness
+from elastic.local import ports, processes, readiness
+from elastic.local import stack as stack
 from elastic.local.state import LocalState, NodePlan
 
 RAY_START_TRACE = """Traceback (most recent call last):
@@ -50,3 +52,46 @@ def test_a_node_that_is_only_slow_waits_out_its_timeout_with_the_plain_error(sta
         readiness.wait_for_nodes(state, [NodePlan("spot-6", "spot", "worker", 1, 0)], timeout=2)
     assert not isinstance(raised.value, readiness.NodeStartTimedOut)
     assert "did not join within 2s" in str(raised.value)
+
+
+FILER_BIND_FAILED = (
+    "F1207 18:49:38.826111 filer.go:454 Filer listener error: listen tcp 127.0.0.1:49771: bind: address already in use"
+)
+
+
+def _exits_with_a_go_fatal(port: int) -> list[str]:
+    # a fatal line, then a goroutine dump as long as Go's: the error must still name the fatal line
+    script = f"echo '{FILER_BIND_FAILED}'; for i in $(seq 40); do echo \"goroutine $i [running]:\"; done; exit 1"
+    return ["sh", "-c", script]
+
+
+def test_a_server_that_exits_before_it_listens_is_reported_at_once_with_its_fatal_line(state, tmp_path):
+    log = tmp_path / "s3.log"
+    launched = processes.launch(_exits_with_a_go_fatal(1), "s3", state.marker, {}, log)
+    started = time.monotonic()
+    with pytest.raises(readiness.ExitedAtStart) as raised:
+        readiness.wait_for_listening(launched, ports.free_port(), 60, "the local S3 server", log)
+    assert time.monotonic() - started < 10  # not the 60 s timeout
+    assert f"fatal: {FILER_BIND_FAILED}" in str(raised.value)
+    assert "goroutine 40 [running]:" in str(raised.value)  # and the last lines after it
+
+
+def test_the_s3_server_is_started_again_on_other_ports_when_it_exits_before_listening(state, monkeypatch):
+    attempts = []
+
+    def command(name, port, data, free_port):
+        attempts.append(port)
+        if len(attempts) == 1:
+            return _exits_with_a_go_fatal(port)
+        return [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)]
+
+    monkeypatch.setattr(stack.s3servers, "command", command)
+    state.s3_server, state.ports = "seaweedfs", {"s3": ports.free_port()}
+    logs = readiness.logs_dir()
+    try:
+        stack._start_s3(state, {}, logs, timeout=60)
+        assert len(attempts) == 2 and set(attempts) == {state.ports["s3"]}  # the S3 port kept
+        assert [r["role"] for r in state.roots] == ["s3"]  # the exited attempt no longer recorded
+        assert FILER_BIND_FAILED in (logs / "s3.log.1").read_text()
+    finally:
+        processes.kill_trees(state.launched())
