@@ -27,7 +27,7 @@ from elastic.driver.submit import (
     Target,
     client,
     driver_placement,
-    log_level_environment,
+    log_environment,
 )
 
 # Set in a remote verb's job: the verb prints its result as one RESULT_PREFIX line instead of a table or JSON.
@@ -81,7 +81,7 @@ def start(target: Target, argv: list[str], key: str, working_dir: Path, attach_r
             # RAY_OVERRIDE_JOB_RUNTIME_ENV: a verb that starts its own Ray driver inside the job (a sweep's Tune
             # driver) passes ray.init a runtime_env of its own; Ray refuses the two unless told to combine them.
             "env_vars": {
-                **log_level_environment(),
+                **log_environment(),
                 RESULT_VARIABLE: "1",
                 "RAY_API_SERVER_ADDRESS": target.address,
                 "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1",

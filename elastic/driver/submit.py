@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shlex
 import sys
 import time
@@ -23,7 +24,7 @@ from elastic.driver.auth import auth_failure
 from elastic.driver.memory_plan import check_memory
 from elastic.errors import ClusterError, SpecError, UserError
 from elastic.local import stack as local
-from elastic.logs import LEVEL_VARIABLE
+from elastic.logs import LEVEL_VARIABLE, PREFIX
 from elastic.placement import labels
 from elastic.placement.control import PlacementControl
 from elastic.placement.feasibility import check_feasible
@@ -126,7 +127,7 @@ def submit(
     runtime_env: dict = {
         "working_dir": str(working_dir),
         "excludes": DEFAULT_EXCLUDES + list(spec.runtime_env.excludes),
-        "env_vars": {**log_level_environment(), **spec.runtime_env.env_vars, SPEC_VARIABLE: spec.model_dump_json()},
+        "env_vars": {**log_environment(), **spec.runtime_env.env_vars, SPEC_VARIABLE: spec.model_dump_json()},
     }
     if spec.runtime_env.pip:
         runtime_env["pip"] = list(spec.runtime_env.pip)
@@ -302,7 +303,15 @@ def spec_from_environment() -> JobSpec:
     return JobSpec.model_validate(json.loads(raw))
 
 
-def log_level_environment() -> dict[str, str]:
-    """`elastic -v`/`-q` reach the job's driver and workers (a level set in the spec's env_vars wins)."""
+# Ray's driver folds log lines that differ only in tokens holding digits, from anywhere in the cluster within
+# 5 s, into one "[repeated 2x across cluster]": of "[elastic] worker rank 0/2 on node 5d87..." and "... rank
+# 1/2 on node 3f7e..." only one was printed (seen failing a test that reads each rank's placement). Our own
+# lines are each rank's account of the run: Ray never folds them.
+NEVER_FOLDED = {"RAY_DEDUP_LOGS_ALLOW_REGEX": re.escape(PREFIX)}
+
+
+def log_environment() -> dict[str, str]:
+    """How the job's driver and workers log: `elastic -v`/`-q`'s level, and every rank's `[elastic]` lines
+    printed (what the spec's env_vars set wins)."""
     level = os.environ.get(LEVEL_VARIABLE)
-    return {LEVEL_VARIABLE: level} if level else {}
+    return {**NEVER_FOLDED, **({LEVEL_VARIABLE: level} if level else {})}
