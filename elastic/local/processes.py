@@ -146,6 +146,31 @@ def normal_priority(root: Launched, session_niceness: int = 0) -> None:
     _set_session_niceness(proc.pid, session_niceness)
 
 
+def raise_priority(pid: int) -> None:
+    """`pid` (a session's leader, just started) and the session it leads at STARTUP_NICENESS, where allowed:
+    what `launch(raised_priority=True)` does, for a process started otherwise."""
+    try:
+        _set_niceness(psutil.Process(pid), STARTUP_NICENESS)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def sessions_back_to_normal(procs: list[psutil.Process], session_niceness: int = 0) -> None:
+    """Processes of sessions we started raised (their leader may have exited, as a shell that ran `ray start`
+    does) back to niceness 0, and each of their sessions at `session_niceness`."""
+    sessions = set()
+    for proc in procs:
+        try:
+            if proc.nice() < 0:
+                proc.nice(0)
+            sid = os.getsid(proc.pid)
+            if sid not in sessions:
+                sessions.add(sid)
+                Path(f"/proc/{proc.pid}/autogroup").write_text(str(session_niceness))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+
+
 def session_niceness(pid: int) -> int | None:
     """The niceness of the autogroup of `pid`'s session (None without autogroup scheduling)."""
     try:

@@ -84,18 +84,26 @@ def run_commands(node: RehearsedNode, phase: str | None = None) -> list[dict]:
         with open(node.log_path, "a") as out:
             out.write(f"\n$ {command.rewritten}\n")
             out.flush()
+            # A start command runs in a session of its own, raised until the node has joined (the caller
+            # calls back_to_normal_priority): each node stands in for a machine, as the local stack's do
+            # (elastic.local.processes: under load a raylet missed Ray's 15 s for its agent to start).
+            start = command.phase == "start"
+            proc = subprocess.Popen(
+                as_ray_runs_it(command.rewritten, command.env),
+                cwd=node.home,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=start,
+            )
+            if start:
+                processes.raise_priority(proc.pid)
             try:
-                proc = subprocess.run(
-                    as_ray_runs_it(command.rewritten, command.env),
-                    cwd=node.home,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    timeout=COMMAND_TIMEOUT_SECONDS,
-                )
-                code = proc.returncode
+                code = proc.wait(timeout=COMMAND_TIMEOUT_SECONDS)
             except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
                 code = -1
         result = {
             "phase": command.phase,
@@ -144,9 +152,20 @@ def find_node_id(temp_dir: Path) -> str | None:
     return None
 
 
-def kill_node(role: str) -> int:
+def node_processes(role: str, marker: str) -> list[psutil.Process]:
+    """The processes of this rehearsal's node `role` (another rehearsal on the host has nodes of that role)."""
+    ours = {p.pid for p in processes.find_marked(marker)}
+    return [p for p in processes.find_marked(role, variable=NODE_VARIABLE) if p.pid in ours]
+
+
+def back_to_normal_priority(role: str, marker: str, session_niceness: int = 0) -> None:
+    """Once the node has joined: its processes at niceness 0, its session at `session_niceness`."""
+    processes.sessions_back_to_normal(node_processes(role, marker), session_niceness)
+
+
+def kill_node(role: str, marker: str) -> int:
     """Every process of the node at once (raylet, workers, watcher, units), as a VM that vanishes."""
-    procs = processes.find_marked(role, variable=NODE_VARIABLE)
+    procs = node_processes(role, marker)
     for proc in procs:
         try:
             proc.send_signal(signal.SIGKILL)

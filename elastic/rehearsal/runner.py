@@ -168,11 +168,15 @@ class _Rehearsal:
         with self.phase("head") as phase:
             phase.detail["commands"] = self._run_node(head)
             self._wait_for_job_api()
+            self._wait_for_node(head)
+            # The head's session keeps a raised share, as a head with cores of its own (the local stack's too).
+            node_ops.back_to_normal_priority(HEAD, self.marker, processes.HEAD_NICENESS)
         self._share_venv()
         for role in (SPOT, ON_DEMAND):
             with self.phase(role) as phase:
                 phase.detail["commands"] = self._run_node(self.nodes[role])
                 phase.detail["labels"] = self._wait_for_node(self.nodes[role])
+                node_ops.back_to_normal_priority(role, self.marker)
         with self.phase("watcher") as phase:
             phase.detail.update(self._kill_the_watcher())
         with self.phase("submit") as phase:
@@ -394,7 +398,7 @@ class _Rehearsal:
         notice = RECLAIM_NOTICE_SECONDS[self.provider]
         post_admin(self.metadata_url, "reclaim", notice=f"{notice:g}")
         time.sleep(notice)
-        killed = node_ops.kill_node(SPOT)
+        killed = node_ops.kill_node(SPOT, self.marker)
         return {"after_step": step, "notice_s": notice, "processes_killed": killed}
 
     def _job_log(self) -> Path:

@@ -172,3 +172,25 @@ def test_a_daemon_launched_without_raised_priority_keeps_its_parents(tmp_path):
         assert root.process().nice() == os.nice(0)
     finally:
         processes.kill_trees([root])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a process's priority needs root; elsewhere it is left")
+def test_a_session_whose_leader_exited_goes_back_to_normal_through_its_members(tmp_path):
+    """A rehearsed node's start command: a shell in a session of its own, raised, runs `ray start`, which
+    leaves daemons behind and exits; once the node has joined, the daemons and their session go back."""
+    marker = uuid.uuid4().hex[:12]
+    env = {**os.environ, MARKER_VARIABLE: marker}
+    script = "import subprocess,sys; subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)'])"
+    shell = subprocess.Popen([sys.executable, "-c", script], env=env, start_new_session=True)
+    processes.raise_priority(shell.pid)
+    shell.wait(timeout=30)
+    left = _wait_for(lambda: processes.find_marked(marker))
+    try:
+        assert left and all(p.nice() == processes.STARTUP_NICENESS for p in left)
+        assert processes.session_niceness(left[0].pid) in (None, processes.STARTUP_NICENESS)
+        processes.sessions_back_to_normal(left, processes.HEAD_NICENESS)
+        assert [p.nice() for p in left] == [0] * len(left)
+        assert processes.session_niceness(left[0].pid) in (None, processes.HEAD_NICENESS)
+    finally:
+        for proc in left:
+            proc.kill()
