@@ -9,6 +9,7 @@ node, or a stack from before watchers) is drained directly through Ray's drain A
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import subprocess
@@ -21,6 +22,8 @@ from elastic.local import processes
 from elastic.local import stack as local
 from elastic.local.metadata_server import post_admin
 from elastic.placement.labels import WORKER_ROLE
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -89,7 +92,13 @@ def _nodes_with_training_workers(state: local.LocalState) -> set[str]:
         actors = list_actors(
             address=state.dashboard_url, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
         )
-    except Exception:  # the state API is unavailable: fall back to the stack's order
+    except Exception as err:  # the state API is unavailable: fall back to the stack's order
+        _log.warning(
+            "could not tell which nodes run training workers (%s: %s); choosing in the stack's order "
+            "(name the node with --node to be sure)",
+            type(err).__name__,
+            str(err)[:200],
+        )
         return set()
     return {a.node_id for a in actors if "RayTrainWorker" in (a.class_name or "")}
 

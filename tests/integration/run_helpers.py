@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -46,6 +47,12 @@ class Submission:
     @property
     def output(self) -> str:
         return "".join(self.lines)
+
+    def worker_node(self) -> str:
+        """The node of rank 0 of the run's latest worker group (from each worker's placement line)."""
+        nodes = re.findall(r"worker rank 0/\d+ on node ([0-9a-f]+)", self.output)
+        assert nodes, f"no worker placement line yet:\n{self.output[-4000:]}"
+        return nodes[-1]
 
 
 def final_tensors(stack, run: str) -> dict:

@@ -22,6 +22,7 @@ EPOCHS = 60  # 1,380 steps at 2 workers
 # quiet machine, so both reclaims land mid-run, while the sleeping leaves the CPUs to the other tests.
 DIGITS_PACE = ("--set", "runtime_env.env_vars.ELASTIC_CHAOS_STEP_SECONDS=0.02")
 HF_STEPS = 200  # optimizer steps of jobs/hf_gpt2.py
+HF_JOB = "jobs/hf_gpt2.yaml"
 RAYTRAIN_EPOCHS = 60  # 300 reports (steps) of jobs/raytrain_mnist.py
 # The interrupted Trainer and Ray Train runs pause after each step (the jobs' pace_seconds; the weights are the
 # same): a notice or a hard kill lands mid-run however fast this machine trains (unpaced, a quiet machine ran
@@ -263,13 +264,17 @@ def test_a_hugging_face_trainer_saves_at_a_reclaim_notice_and_resumes_to_the_sam
     (0 steps lost) and ends with the model and optimizer of an uninterrupted run, tensor for tensor."""
     cli = stack["cli"]
     steps = ("--set", f"config.max_steps={HF_STEPS}")
-    cli.run("submit", "jobs/hf_gpt2.yaml", "--suffix", "base", *steps, "--follow", check=True)
+    cli.run("submit", HF_JOB, "--suffix", "base", *steps, "--follow", check=True)
     tensorboard = ("--set", f"tracking.tensorboard=s3://{stack['bucket']}/tensorboard")
-    run = Submission(cli, "--suffix", "spot", *steps, *tensorboard, *PACE, job="jobs/hf_gpt2.yaml")
+    # Paced at 0.4 s a step: 64 s from step 40 to the end, for a notice that takes its time on a loaded machine
+    # (at 0.25 s a CI run once ended with no just-in-time checkpoint).
+    run = Submission(cli, "--suffix", "spot", *steps, *tensorboard, "--set", "config.pace_seconds=0.4", job=HF_JOB)
     run.wait_for("checkpoint at step 40 committed")
     # 15 s: the notice crosses the metadata server, the watcher, Ray's drain and Ray Train's poll before the
     # Trainer can save; on a loaded CI machine 8 s was seen to pass before it did (the run then lost steps).
-    report = preempt(cli, "--market", "spot", "--notice", "15", "--replace-after", "0")
+    # The node of one of its workers, named: `--market spot` asks Ray which nodes are busy, and under load the
+    # answer may not come (it then takes any spot node).
+    report = preempt(cli, "--node", run.worker_node(), "--notice", "15", "--replace-after", "0")
     output = run.finish()
 
     jit = [int(s) for s in JIT_LINE.findall(output)]
