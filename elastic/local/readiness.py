@@ -44,28 +44,17 @@ def logs_dir() -> Path:
     return home_dir() / "local" / "logs"
 
 
-def wait_for_port(port: int, timeout: float, what: str, log: Path) -> None:
+def wait_for_port(port: int, timeout: float, what: str, log: Path, root: Launched | None = None) -> None:
+    """Until something listens on `port`; with `root`, an `ExitedAtStart` as soon as that process is gone."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.settimeout(1)
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
-        time.sleep(0.3)
-    raise ClusterError(f"{what} did not start listening on port {port} within {timeout:.0f}s; {_tail(log)}")
-
-
-def wait_for_listening(root: Launched, port: int, timeout: float, what: str, log: Path) -> None:
-    """As wait_for_port, and an `ExitedAtStart` as soon as the process `root` is gone."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.settimeout(1)
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        if root.process() is None:
+        if root is not None and root.process() is None:
             raise ExitedAtStart(f"{what} exited before it listened on port {port}; {_tail(log)}")
-        time.sleep(0.2)
+        time.sleep(0.2 if root is not None else 0.3)
     raise ClusterError(f"{what} did not start listening on port {port} within {timeout:.0f}s; {_tail(log)}")
 
 

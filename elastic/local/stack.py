@@ -31,7 +31,6 @@ from elastic.local.readiness import (
     NodeStartTimedOut,
     logs_dir,
     wait_for_job_api,
-    wait_for_listening,
     wait_for_nodes,
     wait_for_port,
 )
@@ -248,7 +247,7 @@ def _start_s3(state: LocalState, env: dict, logs: Path, timeout: float) -> None:
         state.roots.append(launched.to_dict())
         save_state(state)
         try:
-            wait_for_listening(launched, state.ports["s3"], timeout, "the local S3 server", logs / "s3.log")
+            wait_for_port(state.ports["s3"], timeout, "the local S3 server", logs / "s3.log", launched)
             return
         except ExitedAtStart as err:
             if attempt == S3_START_ATTEMPTS:

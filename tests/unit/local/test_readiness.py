@@ -70,7 +70,7 @@ def test_a_server_that_exits_before_it_listens_is_reported_at_once_with_its_fata
     launched = processes.launch(_exits_with_a_go_fatal(1), "s3", state.marker, {}, log)
     started = time.monotonic()
     with pytest.raises(readiness.ExitedAtStart) as raised:
-        readiness.wait_for_listening(launched, ports.free_port(), 60, "the local S3 server", log)
+        readiness.wait_for_port(ports.free_port(), 60, "the local S3 server", log, launched)
     assert time.monotonic() - started < 10  # not the 60 s timeout
     assert f"fatal: {FILER_BIND_FAILED}" in str(raised.value)
     assert "goroutine 40 [running]:" in str(raised.value)  # and the last lines after it
