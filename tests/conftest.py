@@ -10,16 +10,17 @@ from collections import defaultdict
 INTEGRATION = "tests/integration/"
 
 # Seconds each integration module took in CI (setup included), from the "seconds per module" summary (here:
-# the partial CI runs of 2026-12-07 at a load of ~20, less the tests moved to make test-extended). Longest
-# first is how two workers finish together: a long module started late is the run's tail. A module not listed
-# goes after these, in collection order.
+# the clean-clone CI run of 2026-12-07 evening, two xdist workers, nothing else on the machine). Longest first
+# is how two workers finish together: a long module started late is the run's tail. A module not listed goes
+# after these, in collection order.
 MODULE_SECONDS = {
-    "test_submit_digits.py": 2900,
-    "test_preemption_e2e.py": 2350,
-    "test_sweep.py": 1900,
-    "test_local_lifecycle.py": 600,
-    "test_spot_first.py": 400,
-    "test_cluster_rehearsal.py": 350,
+    "test_submit_digits.py": 2650,
+    "test_sweep.py": 2300,
+    "test_preemption_e2e.py": 2050,
+    "test_local_lifecycle.py": 570,
+    "test_spot_first.py": 550,
+    "test_checkpoint_dcp.py": 290,
+    "test_cluster_rehearsal.py": 210,
 }
 
 
