@@ -137,13 +137,7 @@ def normal_priority(root: Launched, session_niceness: int = 0) -> None:
         tree = [proc, *proc.children(recursive=True)]
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return
-    for member in tree:
-        try:
-            if member.nice() < 0:
-                member.nice(0)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    _set_session_niceness(proc.pid, session_niceness)
+    sessions_back_to_normal(tree, session_niceness)
 
 
 def raise_priority(pid: int) -> None:

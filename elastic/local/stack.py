@@ -216,10 +216,7 @@ def _start(
                     if attempt == NODE_START_ATTEMPTS:
                         raise
                     _log.warning("%s; starting it again (attempt %d)", err, attempt + 1)
-                    processes.kill_trees([launched])
-                    state.roots = [r for r in state.roots if r["pid"] != launched.pid]
-                    # Its log keeps the failed attempt beside it, so the next wait does not read it again.
-                    (logs / f"{node.name}.log").replace(logs / f"{node.name}.log.{attempt}")
+                    _forget_attempt(state, launched, logs / f"{node.name}.log", attempt)
             state.nodes = [{**extras.get(n["name"], {}), **n} for n in joined_nodes]
             if node.market == "spot":
                 _start_spot_daemons(state.nodes[-1], state, env, logs, timeout)
@@ -253,8 +250,15 @@ def _start_s3(state: LocalState, env: dict, logs: Path, timeout: float) -> None:
             if attempt == S3_START_ATTEMPTS:
                 raise
             _log.warning("%s; starting it again (attempt %d)", err, attempt + 1)
-            state.roots = [r for r in state.roots if r["pid"] != launched.pid]
-            (logs / "s3.log").replace(logs / f"s3.log.{attempt}")
+            _forget_attempt(state, launched, logs / "s3.log", attempt)
+
+
+def _forget_attempt(state: LocalState, launched: Launched, log: Path, attempt: int) -> None:
+    """A start that failed: its processes gone, out of the state; its log kept beside as LOG.N, so the next
+    attempt's wait does not read it again."""
+    processes.kill_trees([launched])
+    state.roots = [r for r in state.roots if r["pid"] != launched.pid]
+    log.replace(log.with_name(f"{log.name}.{attempt}"))
 
 
 def _start_node(ray_bin: str, node: NodePlan, state: LocalState, env: dict, logs: Path) -> Launched:
