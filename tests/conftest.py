@@ -9,18 +9,18 @@ from collections import defaultdict
 
 INTEGRATION = "tests/integration/"
 
-# Seconds each integration module took in CI (setup included), from the "seconds per module" summary (here:
-# the clean-clone CI run of 2026-12-07 evening, two xdist workers, nothing else on the machine). Longest first
-# is how two workers finish together: a long module started late is the run's tail. A module not listed goes
-# after these, in collection order.
+# Seconds each integration module takes in CI (setup included): the clean-clone CI run of 2026-12-07 evening (two
+# xdist workers, nothing else on the machine) less the tests since marked `extended`. Longest first is how two
+# workers finish together: a long module started late is the run's tail. A module not listed goes after these,
+# in collection order.
 MODULE_SECONDS = {
-    "test_submit_digits.py": 2650,
-    "test_sweep.py": 2300,
-    "test_preemption_e2e.py": 2050,
+    "test_submit_digits.py": 1900,
+    "test_preemption_e2e.py": 950,
+    "test_sweep.py": 900,
     "test_local_lifecycle.py": 570,
-    "test_spot_first.py": 550,
+    "test_cluster_rehearsal.py": 420,
+    "test_spot_first.py": 300,
     "test_checkpoint_dcp.py": 290,
-    "test_cluster_rehearsal.py": 210,
 }
 
 

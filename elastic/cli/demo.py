@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from elastic.accounting import plot, render
+from elastic.accounting import render
 from elastic.accounting.prices import default_prices
 from elastic.accounting.report import run_report
 from elastic.checkpoint.store import CheckpointStore, run_directory
@@ -68,6 +68,8 @@ def run_demo(console: Console, spot: int, on_demand: int, stop_after: bool) -> N
     report = run_report(run_directory(spec, submitted.run_name), default_prices())
     png = local.home_dir() / "demo-report.png"
     png.parent.mkdir(parents=True, exist_ok=True)
+    from elastic.accounting import plot  # matplotlib: imported when a plot is drawn, not at every CLI start
+
     plot.plot_run(report, png)
     render.print_run(console, report)
     console.print(f"  timeline: {png}")

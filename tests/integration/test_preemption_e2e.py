@@ -147,6 +147,7 @@ def assert_report_accounts_for_the_reclaims(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.extended  # make test: a shrink's exactly-once in the 2-1-2 verify-resume, a reclaim's in this module's first test
 def test_two_spot_nodes_reclaimed_at_once_shrink_the_run_and_every_sample_is_seen_once(stack):
     from elastic.storage import fsspec_filesystem
     from elastic.worker.audit import check_exactly_once, read_history
@@ -207,6 +208,7 @@ def test_recovery_benchmark_runs_side_by_side_and_loses_nothing_to_a_noticed_rec
     assert result["goodput"] is None and result["goodput_gaps_s"] is None  # --minutes not given
 
 
+@pytest.mark.extended  # make test: the notice's save through the Trainer below, a Ray Train function's resume in test_local_lifecycle
 def test_a_ray_train_function_loses_no_step_to_a_noticed_reclaim_and_resumes_exactly_after_a_hard_one(stack):
     """api ray-train (jobs/raytrain_mnist.py, a plain Ray Train function that checks
     elastic.train.checkpoint_requested()): a noticed reclaim ends the placement at the checkpoint the function

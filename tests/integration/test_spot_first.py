@@ -221,6 +221,7 @@ def test_the_swapped_run_is_bit_identical_to_an_uninterrupted_one(stack, monkeyp
     assert [k for k in straight if not torch.equal(straight[k], swapped[k])] == []
 
 
+@pytest.mark.extended  # the first test of this module falls back and swaps in a run of its own
 def test_spot_first_after_every_spot_node_is_reclaimed_falls_back_and_swaps_back(stack, monkeypatch):
     import torch
 

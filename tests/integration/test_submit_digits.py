@@ -190,6 +190,7 @@ def test_resubmitting_the_same_job_resumes_its_run(stack, stack_env):
     assert "resumed from checkpoint" in cli.run("logs", RUN_NAME, check=True).stdout
 
 
+@pytest.mark.extended  # make test: the fallback in test_checkpoint_s3_faults, the resharded resume in the 2-1-2 verify-resume
 def test_a_resume_that_cannot_read_the_latest_checkpoint_falls_back_to_the_one_before_at_another_worker_count(
     stack, stack_env
 ):
@@ -561,6 +562,7 @@ def test_verify_resume_across_2_1_2_workers_sees_every_sample_once(stack):
     assert set(inspected["columns"]) == {"image", "label"}
 
 
+@pytest.mark.extended  # make test: the final-state check that catches it, tests/unit/diagnostics/test_final_comparison.py
 def test_verify_resume_catches_a_job_that_forgets_its_scheduler(stack):
     proc = stack["cli"].run("verify-resume", "tests/integration/jobs/forgetful.yaml", "--kills", "1", "--json")
     assert proc.returncode == 1, proc.stderr[-2000:]

@@ -175,6 +175,7 @@ def test_a_sweep_of_a_ray_train_function_runs_from_a_laptop_through_the_job_api(
     assert "elastic sweep jobs/raytrain_sweep.yaml" in drivers[0].entrypoint
 
 
+@pytest.mark.extended  # make test has the Trainer's checkpoints in test_preemption_e2e and Tune's in the PBT sweep
 def test_a_sweep_of_hugging_face_trainers_reports_each_committed_trainer_checkpoint(stack):
     """A sweep over an api transformers job (jobs/hf_sweep.yaml): each trial is a Trainer run by elastic, its
     Trainer checkpoints (every save_steps) committed to the trial's run folder and counted as Tune iterations,
@@ -259,6 +260,7 @@ gpu_share: 0.25
         assert ledger["lost_steps"] == 12 - trial["resumed_from"][1], (ledger["lost_steps"], trial)
 
 
+@pytest.mark.extended  # four worker-group trials one at a time, then a resume; PBT and the light trial restore in make test
 def test_asha_stops_bad_trials_and_a_killed_sweep_resumes(stack, tmp_path):
     name = f"asha-{uuid.uuid4().hex[:6]}"
     sweep = write_sweep(
@@ -511,6 +513,7 @@ def read_ledger_of(stack, run_uri: str):
         os.environ.update(env)
 
 
+@pytest.mark.extended  # make test holds its parts: the share doubled after an OOM, a shared trial's just-in-time save
 @pytest.mark.timeout(2100)  # its own deadlines (above) are sized for a loaded machine
 def test_pack_trains_three_jobs_at_once_through_an_oom_and_a_reclaim(stack):
     """`elastic pack` of three different jobs at GPU share 0.25 on the two spot nodes' GPUs: `status --gpus`
