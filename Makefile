@@ -56,14 +56,14 @@ test: lint
 	$(BIN)/python -m pytest tests -n 2 --durations=25 -m "not docs and not extended"
 
 # The long end-to-end runs left out of `make test` to hold CI under its time limit (pytest marker `extended`):
-# gpt's verify-resume, the chaos soak, the recovery bench, the GCP rehearsal, bench packing's four trials on one
+# gpt's verify-resume, the chaos soak, the recovery bench, the AWS and GCP rehearsals, bench packing's four trials on one
 # GPU, the sweep whose FSDP trial runs out of memory, the three-job pack through an OOM and a reclaim, the ASHA
-# sweep killed and resumed, the Hugging Face sweep, the Ray Train function's reclaims, two spot nodes reclaimed at
+# sweep killed and resumed, the Hugging Face and Ray Train sweeps, the Ray Train function's reclaims, two spot nodes reclaimed at
 # once, spot-first after every spot node is lost, the resume that falls back past an unreadable checkpoint and
 # verify-resume on a job that forgets its scheduler (the check that catches it is a unit test).
 # `make test` checks their properties in smaller runs (test_fsdp, the digits verify-resume runs, the preemption,
-# lifecycle, spot-first, kill and S3-fault tests, the AWS rehearsal, the shared-GPU sweeps), though not every
-# combination.
+# lifecycle, spot-first, kill and S3-fault tests, the shared-GPU sweeps, the cluster configs' and the rehearsal's
+# unit tests), though not every combination.
 test-extended: lint
 	$(BIN)/python -m pytest tests -n 2 --durations=0 -m "extended and not docs"
 

@@ -16,9 +16,8 @@ INTEGRATION = "tests/integration/"
 MODULE_SECONDS = {
     "test_submit_digits.py": 1900,
     "test_preemption_e2e.py": 950,
-    "test_sweep.py": 900,
+    "test_sweep.py": 750,
     "test_local_lifecycle.py": 570,
-    "test_cluster_rehearsal.py": 420,
     "test_spot_first.py": 300,
     "test_checkpoint_dcp.py": 290,
 }

@@ -71,8 +71,10 @@ def clone_venv(source: Path, target: Path) -> None:
     (target / "pyvenv.cfg").write_text((source / "pyvenv.cfg").read_text().replace(str(source), str(target)))
 
 
-# The GCP config in make test-extended: the rehearsal's machinery is the same, AWS's run holds it in make test.
-@pytest.mark.parametrize("config", ["aws-spot-gpu.yaml", pytest.param("gcp-spot-gpu.yaml", marks=pytest.mark.extended)])
+# make test-extended: each rehearsal boots a third Ray cluster beside the two stacks of a CI run. make test checks
+# the configs themselves (tests/unit/clusterconfig) and the rehearsal's parts (tests/unit/rehearsal).
+@pytest.mark.extended
+@pytest.mark.parametrize("config", ["aws-spot-gpu.yaml", "gcp-spot-gpu.yaml"])
 def test_a_cluster_config_boots_trains_and_survives_a_reclaim(config, tmp_path, venv):
     cli = make_cli(tmp_path / "home")
     proc = cli.run("cluster", "rehearse", f"cluster-configs/{config}", "--venv", str(venv), "--json", timeout=1500)
