@@ -9,17 +9,17 @@ from collections import defaultdict
 
 INTEGRATION = "tests/integration/"
 
-# Seconds each integration module takes in CI (setup included): the clean-clone CI run of 2026-12-07 evening (two
-# xdist workers, nothing else on the machine) less the tests since marked `extended`. Longest first is how two
-# workers finish together: a long module started late is the run's tail. A module not listed goes after these,
-# in collection order.
+# Seconds each integration module took in CI (setup included), from the "seconds per integration module" summary
+# (here: the clean-clone CI run of 2026-12-08, 56 min in all, two xdist workers, nothing else on the machine).
+# Longest first is how two workers finish together: a long module started late is the run's tail. A module not
+# listed goes after these, in collection order.
 MODULE_SECONDS = {
-    "test_submit_digits.py": 1900,
-    "test_preemption_e2e.py": 950,
-    "test_sweep.py": 750,
-    "test_local_lifecycle.py": 570,
-    "test_spot_first.py": 300,
-    "test_checkpoint_dcp.py": 290,
+    "test_submit_digits.py": 2480,
+    "test_preemption_e2e.py": 1340,
+    "test_sweep.py": 830,
+    "test_local_lifecycle.py": 530,
+    "test_spot_first.py": 250,
+    "test_checkpoint_dcp.py": 160,
 }
 
 
