@@ -133,7 +133,7 @@ def test_four_trials_share_one_gpu_at_once(stack):
     assert result["ours"]["ram_per_trial_mb"] > 0 and result["ours"]["driver_to_worker_seconds"] > 0, result["ours"]
 
 
-@pytest.mark.extended  # make test: a Ray Train function in test_local_lifecycle, the job API in verify-resume's
+@pytest.mark.extended  # make test: a Ray Train function in test_local_lifecycle, the job API path in the digits_augment verify-resume
 def test_a_sweep_of_a_ray_train_function_runs_from_a_laptop_through_the_job_api(stack, monkeypatch):
     """`elastic sweep --address`: the sweep's driver runs as a Ray job on the cluster (the project directory as
     its working dir) and the client prints the trials and best config that job found. The trials run a plain Ray
